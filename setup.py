@@ -1,0 +1,32 @@
+"""beagle-pipeline: train Beagle speculative-decoding drafters from stored LLM features."""
+from setuptools import find_packages, setup
+
+setup(
+    name="beagle-pipeline",
+    version="0.1.0",
+    description="Extract target-LLM hidden states into a feature store, train a Beagle drafter, evaluate it.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pipeline", "pipeline.*", "beagle", "beagle.*", "jobs", "jobs.*"]),
+    install_requires=[
+        # torch is a runtime requirement as a range; the dev/CI path pins the CPU build (see Makefile).
+        "torch>=2.3",
+        "transformers>=4.45",
+        "datasets>=2.20",
+        "pyarrow>=15",
+        "zarr>=3.0,<4",
+        "numpy>=1.26",
+        "fsspec>=2024.2",
+        "ray[data]>=2.30",
+        "click>=8.1",
+        "safetensors>=0.4",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        "demo": ["gguf>=0.10"],
+    },
+    entry_points={"console_scripts": ["beagle-pipeline=pipeline.cli:main"]},
+)
