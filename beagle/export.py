@@ -1,0 +1,65 @@
+"""Save and load a trained drafter: `model.safetensors` (trainable weights only) + `config.json`.
+
+The frozen embedding and LM head are the target's own; they are not copied into the drafter
+directory, the loader takes them from the target (or a feature store's head) instead.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from beagle.model import BeagleDrafter, DrafterConfig
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+DRAFTER_TYPE = "beagle"
+
+
+def save_drafter(directory: str | os.PathLike, model: BeagleDrafter, *, metadata: dict[str, Any]) -> None:
+    """Write the drafter's trainable weights and a config.json with DrafterConfig + metadata.
+
+    metadata typically carries the store dataset_id(s) and target fingerprints, so that `eval`
+    can refuse a target the drafter was not trained for."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    config = {**metadata, **model.config.to_dict(), "drafter_type": DRAFTER_TYPE}
+    tmp = directory / (CONFIG_NAME + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(directory / CONFIG_NAME)
+    log.info("exported drafter to %s (%d tensors)", directory, len(weights))
+
+
+def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head: Tensor,
+                 device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> tuple[BeagleDrafter, dict[str, Any]]:
+    """Rebuild a drafter from `save_drafter` output and the target's frozen embedding / LM head."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found; point --drafter at a RUN/drafter directory "
+                                    "written by `beagle-pipeline train`")
+    meta = json.loads(config_path.read_text(encoding="utf-8"))
+    if meta.get("drafter_type") != DRAFTER_TYPE:
+        raise ValueError(f"{config_path} has drafter_type={meta.get('drafter_type')!r}, "
+                         f"expected {DRAFTER_TYPE!r}")
+    names = DrafterConfig.__dataclass_fields__.keys()
+    config = DrafterConfig.from_dict({k: meta[k] for k in names if k in meta})
+    model = BeagleDrafter(config, embed_tokens, lm_head)
+    state = load_file(str(weights_path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights_path} does not match the drafter config: missing={missing}, "
+                         f"unexpected={unexpected}")
+    return model.to(device=device, dtype=dtype).eval(), meta

@@ -1,0 +1,202 @@
+"""The Beagle drafter: one cross-attention block plus a SwiGLU MLP (spec §1).
+
+Queries are the target's token embeddings; keys and values are target hidden states (true ones from
+the store or the verifier, or the drafter's own predictions fed back). The block outputs ĥ_i, a draft
+estimate of the target's last hidden state h_i, which the target's frozen LM head turns into logits
+predicting t_{i+1}. Nothing here knows about data, masks or training.
+
+    x_i  = Emb(t_i)
+    u_i  = x_i + W_o · Attn(q = RMSNorm(x_i), k,v = RMSNorm_kv(H_vis))
+    ĥ_i  = u_i + MLP(RMSNorm(u_i))
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def _sdpa_has_gqa() -> bool:
+    """torch >= 2.5 broadcasts KV heads itself; older ones need repeat_interleave."""
+    doc = F.scaled_dot_product_attention.__doc__ or ""
+    return "enable_gqa" in doc.split("->")[0]
+
+
+_SDPA_HAS_GQA = _sdpa_has_gqa()
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Shape of the drafter; every field is copied from the target so the frozen head fits."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; the target's head layout is invalid")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @classmethod
+    def from_architecture(cls, arch: dict[str, Any]) -> "DrafterConfig":
+        """Build from a store's target["architecture"] or an HF `config.to_dict()`."""
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+                   if arch.get(k) is None]
+        if missing:
+            raise ValueError(f"target architecture lacks {missing}; re-extract the store with a "
+                             "transformers config that has them")
+        heads = int(arch["num_attention_heads"])
+        kv_heads = arch.get("num_key_value_heads") or heads
+        head_dim = arch.get("head_dim") or int(arch["hidden_size"]) // heads
+        rope_theta = arch.get("rope_theta")
+        if rope_theta is None:  # transformers 5 nests it under rope_parameters
+            rope_theta = (arch.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            hidden_size=int(arch["hidden_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(arch["intermediate_size"]),
+            vocab_size=int(arch["vocab_size"]),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(arch.get("rms_norm_eps") or 1e-6),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig keys {unknown}; expected a subset of {sorted(names)}")
+        return cls(**d)
+
+
+class RMSNorm(nn.Module):
+    """Llama-style RMSNorm, computed in fp32 for stability under bf16 autocast."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Apply RoPE (HF Llama's rotate-half convention) to x [B, H, L, hd] at positions [B, L]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    angles = positions.to(torch.float32)[..., None] * inv_freq          # [B, L, hd/2]
+    emb = torch.cat([angles, angles], dim=-1)[:, None]                  # [B, 1, L, hd]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class BeagleDrafter(nn.Module):
+    """The drafter block. Embedding and LM head are frozen non-persistent buffers:
+    `.to()` moves them, `state_dict()` (the exported weights) leaves them out."""
+
+    def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
+        super().__init__()
+        expected = (config.vocab_size, config.hidden_size)
+        for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected} "
+                                 "(vocab_size, hidden_size) from the drafter config")
+        self.config = config
+        c = config
+        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)       # on queries (embeddings)
+        self.kv_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)          # on key/value states [ours]
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+
+    def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Target (or predicted) states [B, Lk, d] at positions [B, Lk] -> k, v [B, H_kv, Lk, hd].
+
+        Keys are computed once per state and reused by every query (a KV cache at draft time)."""
+        B, Lk, _ = states.shape
+        c = self.config
+        s = self.kv_norm(states)
+        k = self.k_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return rotary(k, positions, c.rope_theta), v
+
+    def forward_hidden(self, input_ids: Tensor, positions: Tensor, k: Tensor, v: Tensor,
+                       attn_mask: Tensor) -> Tensor:
+        """Draft states ĥ [B, Lq, d] for tokens input_ids [B, Lq] at positions [B, Lq].
+
+        k, v: [B, H_kv, Lk, hd] from `project_keys`; attn_mask [B, 1, Lq, Lk], True = visible.
+        A query that sees no key gets a zero attention output (finite, no NaN)."""
+        c = self.config
+        B, Lq = input_ids.shape
+        x = F.embedding(input_ids, self.embed_tokens)                       # [B, Lq, d]
+        q = self.q_proj(self.input_norm(x)).view(B, Lq, c.num_attention_heads, c.head_dim)
+        q = rotary(q.transpose(1, 2), positions, c.rope_theta)              # [B, H, Lq, hd]
+        has_key = attn_mask.any(dim=-1, keepdim=True)                       # [B, 1, Lq, 1]
+        # An all-hidden row would give softmax over nothing (NaN): let it see everything, then zero it.
+        mask = attn_mask | ~has_key
+        if k.dtype != q.dtype:  # autocast leaves projections in bf16 but q may come out in fp32
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        attn = self._attention(q, k, v, mask) * has_key.to(q.dtype)         # [B, H, Lq, hd]
+        u = x + self.o_proj(attn.transpose(1, 2).reshape(B, Lq, c.num_attention_heads * c.head_dim))
+        return u + self.mlp(self.post_attention_norm(u))                    # [B, Lq, d]
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        if groups > 1 and _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Draft states [B, Lq, d] -> logits [B, Lq, V] through the target's frozen LM head."""
+        return hidden @ self.lm_head.to(hidden.dtype).T
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        """The weights a run exports: everything but the frozen embedding and LM head."""
+        return {k: v for k, v in self.state_dict().items()}
