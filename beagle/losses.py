@@ -1,0 +1,133 @@
+"""Losses (spec §4, §8): soft cross-entropy against the target's distribution, computed in vocabulary
+chunks so the [N, V] logits are never held in memory, plus SmoothL1 regression of the states.
+
+Why a custom autograd function: with V ~ 50k the logits dominate both time and memory. The loss
+-Σ_v p_v log q_v = lse(z) - Σ_v p_v z_v needs only running sums per chunk, and its gradient
+(q - p) @ W can be recomputed chunk by chunk in backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class _ChunkedSoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, target_hidden: Tensor, weight: Tensor, chunk: int):  # type: ignore[override]
+        N = hidden.shape[0]
+        dev = hidden.device
+        neg_inf = torch.full((N,), float("-inf"), device=dev)
+        m_q, s_q = neg_inf.clone(), torch.zeros(N, device=dev)      # running max / sum for lse(z)
+        m_t, s_t = neg_inf.clone(), torch.zeros(N, device=dev)      # same for the target logits t
+        a_t = torch.zeros(N, device=dev)                            # Σ exp(t - m_t) · z
+        best_q, arg_q = neg_inf.clone(), torch.zeros(N, dtype=torch.long, device=dev)
+        best_t, arg_t = neg_inf.clone(), torch.zeros(N, dtype=torch.long, device=dev)
+        mm_dtype = hidden.dtype
+        for start in range(0, weight.shape[0], chunk):
+            w = weight[start:start + chunk].to(mm_dtype)                               # [C, d]
+            z = (hidden @ w.T).float()                                                 # [N, C]
+            t = (target_hidden.to(mm_dtype) @ w.T).float()                             # [N, C]
+            zmax, zarg = z.max(dim=1)
+            tmax, targ = t.max(dim=1)
+            new_m_q = torch.maximum(m_q, zmax)
+            s_q = s_q * torch.exp(m_q - new_m_q) + torch.exp(z - new_m_q[:, None]).sum(1)
+            new_m_t = torch.maximum(m_t, tmax)
+            scale = torch.exp(m_t - new_m_t)
+            e_t = torch.exp(t - new_m_t[:, None])
+            s_t = s_t * scale + e_t.sum(1)
+            a_t = a_t * scale + (e_t * z).sum(1)
+            m_q, m_t = new_m_q, new_m_t
+            arg_q = torch.where(zmax > best_q, zarg + start, arg_q)
+            best_q = torch.maximum(best_q, zmax)
+            arg_t = torch.where(tmax > best_t, targ + start, arg_t)
+            best_t = torch.maximum(best_t, tmax)
+        lse_q = m_q + torch.log(s_q)
+        lse_t = m_t + torch.log(s_t)
+        loss = lse_q - a_t / s_t                                                       # [N]
+        ctx.save_for_backward(hidden, target_hidden, weight, lse_q, lse_t)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(arg_q, arg_t)
+        return loss, arg_q, arg_t
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _g1, _g2):  # type: ignore[override]
+        hidden, target_hidden, weight, lse_q, lse_t = ctx.saved_tensors
+        mm_dtype = hidden.dtype
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        for start in range(0, weight.shape[0], ctx.chunk):
+            w = weight[start:start + ctx.chunk].to(mm_dtype)                           # [C, d]
+            q = torch.exp((hidden @ w.T).float() - lse_q[:, None])                     # [N, C]
+            p = torch.exp((target_hidden.to(mm_dtype) @ w.T).float() - lse_t[:, None])
+            grad_hidden += ((q - p) * grad_loss[:, None]).to(mm_dtype) @ w
+        return grad_hidden.to(hidden.dtype), None, None, None
+
+
+def soft_cross_entropy(hidden: Tensor, target_hidden: Tensor, lm_head: Tensor,
+                       chunk_size: int = 8192) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row soft CE between LMHead(hidden) and softmax(LMHead(target_hidden)).
+
+    hidden, target_hidden [N, d]; lm_head [V, d] (frozen). Returns (loss [N], draft argmax [N],
+    target argmax [N]); only `hidden` receives a gradient."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    return _ChunkedSoftCrossEntropy.apply(hidden, target_hidden.detach(), lm_head.detach(), chunk_size)
+
+
+def regression_loss(hidden: Tensor, target_hidden: Tensor) -> Tensor:
+    """SmoothL1(ĥ, h) averaged over the width: [N, d] x2 -> [N]."""
+    return F.smooth_l1_loss(hidden.float(), target_hidden.float(), reduction="none").mean(-1)
+
+
+@dataclass
+class DepthLoss:
+    """Summed (not yet averaged) loss terms of one depth: lets steps and depths be combined later."""
+
+    token_sum: Tensor
+    regression_sum: Tensor
+    correct: int
+    count: int
+
+
+def depth_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, lm_head: Tensor,
+               chunk_size: int) -> DepthLoss:
+    """Loss sums over rows with weight [N] > 0 (rows where the predicted token is an assistant token
+    and the query saw a key). hidden/target_hidden [N, d]."""
+    keep = weight > 0
+    hidden, target_hidden, weight = hidden[keep], target_hidden[keep], weight[keep]
+    if hidden.shape[0] == 0:
+        zero = hidden.sum() * 0.0
+        return DepthLoss(zero, zero, 0, 0)
+    ce, arg_q, arg_t = soft_cross_entropy(hidden, target_hidden, lm_head, chunk_size)
+    reg = regression_loss(hidden, target_hidden)
+    return DepthLoss((ce * weight).sum(), (reg * weight).sum(),
+                     int((arg_q == arg_t).sum()), int(hidden.shape[0]))
+
+
+def beta_weights(simulation_steps: int) -> list[float]:
+    """β_j = s - j + 1 normalised by their sum (spec §3, §8): earlier depths matter more."""
+    betas = [float(simulation_steps - j + 1) for j in range(1, simulation_steps + 1)]
+    total = sum(betas)
+    return [b / total for b in betas]
+
+
+def combine(parts: dict[int, DepthLoss], depth_weights: dict[int, float] | None,
+            regression_weight: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, token_loss, regression_loss). Without depth weights (stage 1) every row counts the
+    same; with them (stage 2) each depth's mean is weighted by its normalised β_j. A depth with no
+    loss rows in the batch contributes nothing."""
+    any_part = next(iter(parts.values()))
+    if depth_weights is None:
+        count = sum(p.count for p in parts.values())
+        token = sum((p.token_sum for p in parts.values()), any_part.token_sum * 0.0) / max(count, 1)
+        reg = sum((p.regression_sum for p in parts.values()), any_part.token_sum * 0.0) / max(count, 1)
+    else:
+        token = any_part.token_sum * 0.0
+        reg = any_part.token_sum * 0.0
+        for j, p in parts.items():
+            if p.count:
+                token = token + depth_weights[j] * p.token_sum / p.count
+                reg = reg + depth_weights[j] * p.regression_sum / p.count
+    return token + regression_weight * reg, token, reg
