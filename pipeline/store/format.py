@@ -1,0 +1,133 @@
+"""Format v1 of the feature store: constants, path rules, dtype encoding and the dataset fingerprint.
+
+Nothing here imports torch: a store must be readable with pyarrow, zarr and numpy alone.
+See docs/store-format.md for the layout this module encodes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from pipeline.store.errors import StoreFormatError
+
+SCHEMA_VERSION = "1.0"
+# Bump when the meaning of stored bytes changes; part of every dataset_id.
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.json"
+PENDING = "_pending.json"  # written when a store is started; names the dataset_id being built
+HEAD = "head.safetensors"
+REJECTS = "rejects.jsonl"
+SHARDS_DIR = "shards"
+SHARD_INFO = "shard.json"  # written last inside a shard directory: its commit marker
+SAMPLES_FILE = "samples.arrow"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def hidden_array_name(layer: int) -> str:
+    """Zarr array name for one captured layer (HF hidden_states index, negative allowed)."""
+    return f"hidden_states/layer_{layer}".replace("layer_-", "layer_m")
+
+
+# Logical dtype -> (numpy storage dtype, bytes per element). bf16 is kept as its uint16 bit pattern.
+STORAGE_DTYPES: dict[str, np.dtype] = {
+    "bfloat16": np.dtype("<u2"),
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+}
+
+
+def storage_dtype(logical: str) -> np.dtype:
+    try:
+        return STORAGE_DTYPES[logical]
+    except KeyError:
+        raise StoreFormatError(
+            f"unsupported hidden-state dtype {logical!r}; use one of {sorted(STORAGE_DTYPES)}") from None
+
+
+def to_storage_array(values: Any, logical: str) -> np.ndarray:
+    """Turn a torch tensor or numpy array into the exact bytes a store keeps for `logical` dtype.
+
+    torch tensors are handled by duck typing so this module never imports torch.
+    bf16 tensors become their uint16 bit pattern (bit-exact); numpy input for bf16 must already be uint16.
+    """
+    if hasattr(values, "detach"):  # a torch tensor
+        values = values.detach().cpu().contiguous()
+        if str(values.dtype) == "torch.bfloat16":
+            if logical != "bfloat16":
+                raise StoreFormatError(f"got bfloat16 hidden states for a {logical} store")
+            import torch  # only reached when the caller already uses torch
+            return values.view(torch.uint16).numpy()
+        values = values.numpy()
+    array = np.asarray(values)
+    want = storage_dtype(logical)
+    if logical == "bfloat16":
+        if array.dtype != np.uint16:
+            raise StoreFormatError(
+                "bfloat16 hidden states given as numpy must be the uint16 bit pattern "
+                f"(got {array.dtype}); pass a torch bfloat16 tensor instead")
+        return array
+    return array.astype(want, copy=False)
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def compute_dataset_id(identity: dict[str, Any]) -> str:
+    """Content hash over everything that determines a store's bytes (model, tokenizer, capture, data).
+
+    The format version is folded in so that a change of semantics changes every id.
+    """
+    payload = {"format_version": FORMAT_VERSION, **identity}
+    return hashlib.sha256(canonical_json(payload)).hexdigest()
+
+
+def safe_relpath(path: str, *, where: str) -> str:
+    """Accept only a plain relative path inside the store; refuse `..`, absolute paths and URLs."""
+    if not isinstance(path, str) or not path or "://" in path or path.startswith(("/", "\\")) \
+            or "\\" in path or ":" in path.split("/")[0]:
+        raise StoreFormatError(f"{where}: file path {path!r} is not a relative path inside the store; "
+                               "the manifest is corrupt or hostile, do not use this store")
+    normalized = posixpath.normpath(path)
+    if normalized.startswith("..") or normalized != path:
+        raise StoreFormatError(f"{where}: file path {path!r} leaves the store directory; "
+                               "the manifest is corrupt or hostile, do not use this store")
+    return path
+
+
+def open_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Resolve a local path or fsspec URL into (filesystem, root path without trailing slash)."""
+    fs, root = fsspec.core.url_to_fs(str(url))
+    return fs, root.rstrip("/") or "/"
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in np.atleast_1d(fs.protocol)
+
+
+def join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *parts])
+
+
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str, block: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as handle:
+        while chunk := handle.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def major_version(version: str) -> int:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        raise StoreFormatError(f"schema_version {version!r} is not of the form MAJOR.MINOR") from None

@@ -1,0 +1,243 @@
+"""Reading a feature store: O(1) random access to samples, zero-copy hidden states on local disk.
+
+`open_store(url)` refuses anything it cannot read correctly (no manifest, unknown major version,
+missing files, paths leaving the store) with one line naming the path and the fix. No pickle anywhere:
+tables are Arrow, hidden states Zarr, weights safetensors, metadata JSON.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.store import format as fmt
+from pipeline.store.errors import StoreError, StoreFormatError, StoreNotFoundError
+from pipeline.store.zarr_io import map_hidden_array, zarr_store
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MAJOR = 1
+
+
+class _Shard:
+    """One shard's sample table and per-layer hidden-state arrays, opened lazily."""
+
+    def __init__(self, store: "FeatureStore", info: dict):
+        self._store = store
+        self.info = info
+        self.directory = fmt.join(store.root, fmt.SHARDS_DIR, info["name"])
+
+    @cached_property
+    def table(self) -> dict[str, np.ndarray]:
+        fs = self._store.fs
+        path = fmt.join(self.directory, fmt.SAMPLES_FILE)
+        source = pa.memory_map(path) if fmt.is_local(fs) else pa.BufferReader(fs.cat_file(path))
+        table = pa.ipc.open_stream(source).read_all().combine_chunks()
+        if table.num_rows != self.info["samples"]:
+            raise StoreFormatError(f"{path}: {table.num_rows} samples, manifest says {self.info['samples']}; "
+                                   "run `beagle-pipeline verify`")
+        input_ids, loss_mask = table.column("input_ids").chunk(0), table.column("loss_mask").chunk(0)
+        return {
+            "sample_id": table.column("sample_id").to_pylist(),
+            "length": table.column("length").to_numpy(),
+            "token_offset": table.column("token_offset").to_numpy(),
+            "list_offsets": input_ids.offsets.to_numpy(),
+            "input_ids": input_ids.values.to_numpy(),
+            "loss_mask": loss_mask.values.to_numpy(),
+            "mask_offsets": loss_mask.offsets.to_numpy(),
+        }
+
+    @cached_property
+    def hidden(self) -> list[Any]:
+        """Per layer: a read-only memmap [tokens, d] on local disk, else a zarr array read by chunks."""
+        store = self._store
+        arrays = []
+        for layer in store.layers:
+            array_path = fmt.join(self.directory, fmt.hidden_array_name(layer))
+            mapped = None
+            if fmt.is_local(store.fs):
+                mapped = map_hidden_array(array_path, dtype=fmt.storage_dtype(store.dtype),
+                                          num_tokens=self.info["tokens"], hidden=store.hidden_size)
+            if mapped is None:
+                import zarr
+                mapped = zarr.open_array(zarr_store(store.fs, self.directory, read_only=True),
+                                         path=fmt.hidden_array_name(layer), mode="r")
+            arrays.append(mapped)
+        return arrays
+
+    def sample_numpy(self, row: int) -> dict[str, Any]:
+        table = self.table
+        start, end = table["list_offsets"][row], table["list_offsets"][row + 1]
+        mask_start = table["mask_offsets"][row]
+        first = int(table["token_offset"][row])
+        length = int(table["length"][row])
+        hidden = [array[first:first + length] for array in self.hidden]  # [L, d] views (memmap) or reads
+        return {
+            "sample_id": table["sample_id"][row],
+            "input_ids": table["input_ids"][start:end],
+            "loss_mask": table["loss_mask"][mask_start:mask_start + (end - start)],
+            "hidden_states": hidden,
+        }
+
+
+class FeatureStore:
+    """A complete, read-only feature store. `store[i]` gives one sample as torch tensors."""
+
+    def __init__(self, url: str, *, check_files: bool = True):
+        self.url = str(url)
+        self.fs, self.root = fmt.open_fs(self.url)
+        self.manifest = _load_manifest(self.fs, self.root, self.url)
+        _check_paths(self.manifest, self.url)
+        if check_files:
+            _check_files_present(self.fs, self.root, self.manifest, self.url)
+        self._shards = [_Shard(self, info) for info in self.manifest["shards"]]
+        self._starts = np.cumsum([0] + [info["samples"] for info in self.manifest["shards"]]).tolist()
+
+    # Facts from the manifest -------------------------------------------------------------------
+    @property
+    def dataset_id(self) -> str:
+        return self.manifest["dataset_id"]
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["hidden_size"])
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest["layers"])
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def target(self) -> dict:
+        return self.manifest["target"]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["counts"]["tokens"])
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """Tokens per sample, [num_samples] int64: for token-budget batching without touching states."""
+        if not self._shards:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([shard.table["length"] for shard in self._shards]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __repr__(self) -> str:
+        return (f"FeatureStore({self.url!r}, samples={len(self)}, tokens={self.num_tokens}, "
+                f"hidden_size={self.hidden_size}, layers={self.layers}, dtype={self.dtype})")
+
+    # Access ---------------------------------------------------------------------------------------
+    def _locate(self, index: int) -> tuple[_Shard, int]:
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"store indices must be integers, not {type(index).__name__}")
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for a store of {len(self)} samples")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        return self._shards[shard], index - self._starts[shard]
+
+    def get_numpy(self, index: int) -> dict[str, Any]:
+        """One sample without torch: hidden states as a list (one per layer) of [L, d] storage arrays
+        (uint16 bit patterns for bfloat16; see `dtype`)."""
+        shard, row = self._locate(index)
+        return shard.sample_numpy(row)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """`sample_id`, `input_ids` [L] int64, `loss_mask` [L] bool, `hidden_states` [n_layers, L, d]."""
+        import torch
+
+        sample = self.get_numpy(index)
+        layers = [_as_tensor(array, self.dtype) for array in sample["hidden_states"]]
+        # One layer: a zero-copy view of the memory map; several layers are stacked (one copy).
+        hidden = layers[0].unsqueeze(0) if len(layers) == 1 else torch.stack(layers)
+        return {
+            "sample_id": sample["sample_id"],
+            "input_ids": torch.from_numpy(sample["input_ids"].astype(np.int64)),
+            "loss_mask": torch.from_numpy(sample["loss_mask"].astype(np.bool_)),
+            "hidden_states": hidden,
+        }
+
+    def load_head(self) -> dict[str, Any]:
+        """The frozen target weights: `embed_tokens` and `lm_head`, each [V, d]."""
+        from safetensors.torch import load
+
+        with self.fs.open(fmt.join(self.root, fmt.HEAD), "rb") as handle:
+            return load(handle.read())
+
+
+def _as_tensor(array: Any, logical: str) -> Any:
+    import torch
+
+    values = np.asarray(array)  # zero-copy for a memmap slice
+    tensor = torch.from_numpy(values)
+    return tensor.view(torch.bfloat16) if logical == "bfloat16" else tensor
+
+
+def open_store(url: str, *, check_files: bool = True) -> FeatureStore:
+    """Open a complete store at a local path or fsspec URL. Raises StoreError with the fix on failure."""
+    return FeatureStore(url, check_files=check_files)
+
+
+def _load_manifest(fs: Any, root: str, url: str) -> dict:
+    path = fmt.join(root, fmt.MANIFEST)
+    try:
+        with fs.open(path, "rb") as handle:
+            manifest = json.loads(handle.read())
+    except FileNotFoundError:
+        if fs.exists(fmt.join(root, fmt.PENDING)):
+            raise StoreNotFoundError(f"{url} is an unfinished store (no {fmt.MANIFEST}): rerun the same "
+                                     "extract command to complete it") from None
+        raise StoreNotFoundError(f"{url} is not a feature store: {fmt.MANIFEST} not found; "
+                                 "check the path or build one with `beagle-pipeline extract`") from None
+    except ValueError as error:
+        raise StoreFormatError(f"{path} is not valid JSON ({error}); the store is damaged, rebuild it") from None
+    if not isinstance(manifest, dict) or "schema_version" not in manifest:
+        raise StoreFormatError(f"{path} has no schema_version; it is not a beagle-pipeline store")
+    major = fmt.major_version(manifest["schema_version"])
+    if major != SUPPORTED_MAJOR:
+        raise StoreFormatError(f"{url} has schema_version {manifest['schema_version']}, this beagle-pipeline "
+                               f"reads {SUPPORTED_MAJOR}.x; install a matching beagle-pipeline version")
+    for key in ("dataset_id", "hidden_size", "layers", "dtype", "shards", "counts", "target", "files"):
+        if key not in manifest:
+            raise StoreFormatError(f"{path} lacks {key!r}; the store is damaged, rebuild it")
+    fmt.storage_dtype(manifest["dtype"])
+    return manifest
+
+
+def _listed_files(manifest: dict) -> list[str]:
+    files = list(manifest["files"])
+    for shard in manifest["shards"]:
+        files.extend(shard["files"])
+    return files
+
+
+def _check_paths(manifest: dict, url: str) -> None:
+    for relative in _listed_files(manifest):
+        fmt.safe_relpath(relative, where=f"{url}/{fmt.MANIFEST}")
+    for shard in manifest["shards"]:
+        name = shard.get("name", "")
+        if fmt.safe_relpath(name, where=f"{url}/{fmt.MANIFEST}") != fmt.shard_name(int(shard["index"])):
+            raise StoreFormatError(f"{url}/{fmt.MANIFEST}: shard name {name!r} does not match its index")
+
+
+def _check_files_present(fs: Any, root: str, manifest: dict, url: str) -> None:
+    present = {path[len(root) + 1:] for path in fs.find(root)} if fs.exists(root) else set()
+    for relative in _listed_files(manifest):
+        if relative not in present:
+            raise StoreNotFoundError(f"{url}: {relative} is missing; the store is incomplete or damaged "
+                                     "(run `beagle-pipeline verify`, then rebuild the missing shard)")
+
+
+__all__ = ["FeatureStore", "StoreError", "open_store"]

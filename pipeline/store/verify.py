@@ -1,0 +1,113 @@
+"""`verify`: recompute every checksum and check counts, lengths and finiteness of a store."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.store import format as fmt
+from pipeline.store.errors import StoreError
+from pipeline.store.reader import FeatureStore
+from pipeline.store.writer import store_identity
+
+log = logging.getLogger(__name__)
+
+# bf16 bit pattern: exponent all ones means inf or nan.
+_BF16_EXPONENT = np.uint16(0x7F80)
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_store(url: str, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check a store end to end. Never raises for damage it can describe: problems are listed instead.
+
+    `progress` is called with the byte count of each file checked (for a progress bar).
+    """
+    report = VerifyReport()
+    try:
+        store = FeatureStore(url, check_files=False)
+    except StoreError as error:
+        report.problems.append(str(error))
+        return report
+    fs, root, manifest = store.fs, store.root, store.manifest
+
+    identity = store_identity(target=manifest.get("target"), tokenizer=manifest.get("tokenizer"),
+                              capture=manifest.get("capture"), source=manifest.get("source"))
+    if fmt.compute_dataset_id(identity) != manifest["dataset_id"]:
+        report.problems.append(f"{fmt.MANIFEST}: dataset_id does not match the recorded inputs "
+                               "(the manifest was edited)")
+    listed = dict(manifest["files"])
+    for shard in manifest["shards"]:
+        listed.update(shard["files"])
+    for relative, meta in sorted(listed.items()):
+        path = fmt.join(root, relative)
+        if not fs.exists(path):
+            report.problems.append(f"{relative}: missing")
+            continue
+        size = fs.size(path)
+        if size != meta["bytes"]:
+            report.problems.append(f"{relative}: {size} bytes, manifest says {meta['bytes']} (truncated or replaced)")
+        elif fmt.sha256_file(fs, path) != meta["sha256"]:
+            report.problems.append(f"{relative}: sha256 mismatch (corrupted or from another store)")
+        report.files_checked += 1
+        report.bytes_checked += size
+        if progress:
+            progress(size)
+
+    counts = manifest["counts"]
+    for key in ("samples", "tokens", "loss_tokens"):
+        total = sum(int(s[key]) for s in manifest["shards"])
+        if total != counts[key]:
+            report.problems.append(f"{fmt.MANIFEST}: counts.{key} is {counts[key]}, shards add up to {total}")
+    if report.problems:  # content checks below would only repeat checksum failures more noisily
+        return report
+    for shard in store._shards:
+        where = f"{fmt.SHARDS_DIR}/{shard.info['name']}"
+        try:
+            _check_shard_content(store, shard, where, report)
+        except Exception as error:  # a damaged file can fail in many library-specific ways
+            report.problems.append(f"{where}: unreadable ({type(error).__name__}: {error})")
+    return report
+
+
+def _check_shard_content(store: FeatureStore, shard, where: str, report: VerifyReport) -> None:
+    table = shard.table
+    lengths = table["length"]
+    if int(lengths.sum()) != shard.info["tokens"]:
+        report.problems.append(f"{where}/{fmt.SAMPLES_FILE}: lengths sum to {int(lengths.sum())}, "
+                               f"shard says {shard.info['tokens']}")
+    if not np.array_equal(np.diff(table["list_offsets"]), lengths) or \
+            not np.array_equal(np.diff(table["mask_offsets"]), lengths):
+        report.problems.append(f"{where}/{fmt.SAMPLES_FILE}: input_ids/loss_mask lengths differ from `length`")
+    if int(table["loss_mask"].sum()) != shard.info["loss_tokens"]:
+        report.problems.append(f"{where}/{fmt.SAMPLES_FILE}: loss tokens differ from the manifest")
+    vocab = store.target.get("architecture", {}).get("vocab_size")
+    if vocab and len(table["input_ids"]) and int(table["input_ids"].max()) >= vocab:
+        report.problems.append(f"{where}/{fmt.SAMPLES_FILE}: token id >= vocab size {vocab}")
+    for layer, array in zip(store.layers, shard.hidden):
+        name = f"{where}/{fmt.hidden_array_name(layer)}"
+        if tuple(array.shape) != (shard.info["tokens"], store.hidden_size):
+            report.problems.append(f"{name}: shape {tuple(array.shape)}, expected "
+                                   f"({shard.info['tokens']}, {store.hidden_size})")
+            continue
+        step = max(1, (64 << 20) // max(1, store.hidden_size * 4))
+        for start in range(0, array.shape[0], step):
+            block = np.asarray(array[start:start + step])
+            if store.dtype == "bfloat16":
+                bad = np.count_nonzero((block & _BF16_EXPONENT) == _BF16_EXPONENT)
+            else:
+                bad = block.size - np.count_nonzero(np.isfinite(block))
+            if bad:
+                report.problems.append(f"{name}: {bad} non-finite values in rows {start}..{start + len(block) - 1}")
+                break

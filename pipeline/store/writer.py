@@ -1,0 +1,350 @@
+"""Writing a feature store: whole shards are the unit of writing, the manifest is written last.
+
+A shard is built under a temporary name, fsynced, then renamed into place (on object stores, where
+rename is not atomic, its `shard.json` is written last and is the commit marker). A directory without a
+complete `manifest.json` is never read as a store, so a crash can never leave output that looks done.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.store import format as fmt
+from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
+from pipeline.store.zarr_io import write_hidden_array, zarr_store
+
+log = logging.getLogger(__name__)
+
+SAMPLES_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("length", pa.int32()),
+    ("token_offset", pa.int64()),  # first row of this sample in the shard's hidden-state arrays
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.uint8())),
+])
+
+
+def store_identity(*, target: dict, tokenizer: dict, capture: dict, source: dict) -> dict:
+    """The facts a dataset_id is computed from; kept verbatim in the manifest so `verify` can recompute it."""
+    return {"target": target, "tokenizer": tokenizer, "capture": capture, "source": source}
+
+
+def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
+    """Claim `url` for building `dataset_id`. Returns "complete", "resume" or "new".
+
+    Refuses (StoreConflictError) a store or half-built store made from other inputs unless `overwrite`,
+    in which case the old content is deleted first.
+    """
+    fs, root = fmt.open_fs(url)
+    existing = _read_json(fs, fmt.join(root, fmt.MANIFEST)) or _read_json(fs, fmt.join(root, fmt.PENDING))
+    if existing is not None and existing.get("dataset_id") != dataset_id:
+        if not overwrite:
+            raise StoreConflictError(
+                f"{url} already holds a store built from other inputs or settings "
+                f"(dataset_id {str(existing.get('dataset_id'))[:12]}…, this run {dataset_id[:12]}…); "
+                "pass --overwrite to replace it, or choose another --out")
+        log.warning("overwriting %s (dataset_id %s)", url, existing.get("dataset_id"))
+        fs.rm(root, recursive=True)
+        existing = None
+    elif existing is not None and overwrite:
+        fs.rm(root, recursive=True)
+        existing = None
+    if fs.exists(fmt.join(root, fmt.MANIFEST)):
+        return "complete"
+    fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
+    if existing is None:
+        _write_bytes_atomic(fs, fmt.join(root, fmt.PENDING), fmt.canonical_json({"dataset_id": dataset_id}))
+        return "new"
+    return "resume"
+
+
+def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *, layers: list[int],
+                dtype: str, compression: str | None = None) -> dict:
+    """Write one whole shard atomically and return its info (counts, bytes, sha256 of every file).
+
+    samples: dicts with `sample_id` (str), `input_ids` [L], `loss_mask` [L], `hidden_states`
+    [n_layers, L, d] (torch or numpy; bf16 as torch bfloat16 or numpy uint16 bit pattern).
+    Safe to call from many processes at once as long as each shard index has one writer.
+    """
+    if not samples:
+        raise ValueError(f"shard {shard_index}: no samples to write")
+    fs, root = fmt.open_fs(url)
+    name = fmt.shard_name(shard_index)
+    final_dir = fmt.join(root, fmt.SHARDS_DIR, name)
+    local = fmt.is_local(fs)
+    build_dir = fmt.join(root, fmt.SHARDS_DIR, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}") \
+        if local else final_dir
+    if not local and fs.exists(final_dir):
+        fs.rm(final_dir, recursive=True)  # a partial shard from a crash: no shard.json, so never read
+    fs.makedirs(build_dir, exist_ok=True)
+
+    table, hidden_by_layer, counts = _encode_samples(samples, layers=layers, dtype=dtype, where=name)
+    with fs.open(fmt.join(build_dir, fmt.SAMPLES_FILE), "wb") as handle:
+        with pa.ipc.new_stream(handle, table.schema) as writer:  # stream format: what `datasets` reads
+            writer.write_table(table)
+    store = zarr_store(fs, build_dir, read_only=False)
+    for layer, values in zip(layers, hidden_by_layer):
+        write_hidden_array(store, fmt.hidden_array_name(layer), values, logical_dtype=dtype, layer=layer,
+                           compression=compression)
+
+    files = {}
+    for path in sorted(fs.find(build_dir)):
+        relative = path[len(build_dir.rstrip("/")) + 1:]
+        files[f"{fmt.SHARDS_DIR}/{name}/{relative}"] = {"sha256": fmt.sha256_file(fs, path),
+                                                        "bytes": fs.size(path)}
+    info = {"name": name, "index": shard_index, **counts, "bytes": sum(f["bytes"] for f in files.values()),
+            "files": files}
+    _write_bytes(fs, fmt.join(build_dir, fmt.SHARD_INFO), fmt.canonical_json(info))
+    if local:
+        _fsync_tree(build_dir)
+        if os.path.exists(final_dir):  # an earlier attempt committed it: identical content, keep that one
+            fs.rm(build_dir, recursive=True)
+        else:
+            os.rename(build_dir, final_dir)
+            _fsync_dir(os.path.dirname(final_dir))
+    log.info("committed %s: %d samples, %d tokens", name, counts["samples"], counts["tokens"])
+    return info
+
+
+def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtype: str,
+                    where: str) -> tuple[pa.Table, list[np.ndarray], dict]:
+    """Validate samples and lay them out: one Arrow table and one [tokens, d] array per layer."""
+    ids, lengths, offsets, input_ids, loss_masks, hidden = [], [], [], [], [], []
+    offset = 0
+    width = None
+    for position, sample in enumerate(samples):
+        label = f"{where} sample {position} ({sample.get('sample_id')!r})"
+        tokens = np.asarray(_to_numpy(sample["input_ids"])).astype(np.int64, copy=False)
+        mask = np.asarray(_to_numpy(sample["loss_mask"])).astype(np.uint8, copy=False)
+        states = fmt.to_storage_array(sample["hidden_states"], dtype)
+        if tokens.ndim != 1 or mask.shape != tokens.shape:
+            raise StoreFormatError(f"{label}: input_ids and loss_mask must be 1-D of equal length, got "
+                                   f"{tokens.shape} and {mask.shape}")
+        if states.ndim != 3 or states.shape[0] != len(layers) or states.shape[1] != len(tokens):
+            raise StoreFormatError(f"{label}: hidden_states must be [n_layers={len(layers)}, L={len(tokens)}, d],"
+                                   f" got {list(states.shape)}")
+        if width is None:
+            width = states.shape[2]
+        elif states.shape[2] != width:
+            raise StoreFormatError(f"{label}: hidden size {states.shape[2]} differs from {width}")
+        if tokens.min(initial=0) < 0 or tokens.max(initial=0) > np.iinfo(np.int32).max:
+            raise StoreFormatError(f"{label}: token ids out of int32 range")
+        ids.append(str(sample["sample_id"]))
+        lengths.append(len(tokens))
+        offsets.append(offset)
+        input_ids.append(tokens.astype(np.int32))
+        loss_masks.append(mask)
+        hidden.append(states)
+        offset += len(tokens)
+    table = pa.Table.from_arrays([
+        pa.array(ids, pa.string()),
+        pa.array(lengths, pa.int32()),
+        pa.array(offsets, pa.int64()),
+        _list_array(input_ids, pa.int32()),
+        _list_array(loss_masks, pa.uint8()),
+    ], schema=SAMPLES_SCHEMA)
+    per_layer = [np.concatenate([states[i] for states in hidden], axis=0) for i in range(len(layers))]
+    counts = {"samples": len(ids), "tokens": int(offset),
+              "loss_tokens": int(sum(int(m.sum()) for m in loss_masks)), "hidden_size": int(width)}
+    return table, per_layer, counts
+
+
+def _list_array(parts: list[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum([len(p) for p in parts], out=offsets[1:])
+    values = np.concatenate(parts) if parts else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, value_type))
+
+
+def _to_numpy(values: Any) -> np.ndarray:
+    return values.detach().cpu().numpy() if hasattr(values, "detach") else np.asarray(values)
+
+
+def committed_shards(url: str) -> dict[int, dict]:
+    """Infos of the shards already committed under `url` (for resuming an interrupted build)."""
+    fs, root = fmt.open_fs(url)
+    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
+    if not fs.exists(shards_dir):
+        return {}
+    found = {}
+    for entry in fs.ls(shards_dir, detail=False):
+        base = entry.rstrip("/").rsplit("/", 1)[-1]
+        if not base.startswith("shard-"):
+            continue
+        info = _read_json(fs, fmt.join(entry, fmt.SHARD_INFO))
+        if info is None:
+            continue
+        if all(fs.exists(fmt.join(root, rel)) and fs.size(fmt.join(root, rel)) == meta["bytes"]
+               for rel, meta in info["files"].items()):
+            found[int(info["index"])] = info
+        else:
+            log.warning("shard %s is incomplete on disk; it will be rewritten", base)
+    return found
+
+
+def write_head(url: str, *, embed_tokens: Any, lm_head: Any) -> None:
+    """Store the frozen target weights the drafter reuses ([V, d] each), so training never loads the target."""
+    from safetensors.torch import save  # the caller holds torch tensors; the file itself is torch-free
+
+    fs, root = fmt.open_fs(url)
+    if tuple(embed_tokens.shape) != tuple(lm_head.shape):
+        raise StoreFormatError(f"embed_tokens {tuple(embed_tokens.shape)} and lm_head {tuple(lm_head.shape)} "
+                               "must both be [vocab, hidden]")
+    payload = save({"embed_tokens": embed_tokens.detach().cpu().contiguous(),
+                    "lm_head": lm_head.detach().cpu().contiguous()})
+    _write_bytes_atomic(fs, fmt.join(root, fmt.HEAD), payload)
+
+
+def write_rejects(url: str, rejects: list[Mapping[str, Any]]) -> None:
+    """Write `rejects.jsonl`: one JSON object per rejected source record (source, index, reason, ...)."""
+    fs, root = fmt.open_fs(url)
+    text = "".join(json.dumps(dict(r), sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
+    _write_bytes_atomic(fs, fmt.join(root, fmt.REJECTS), text.encode("utf-8"))
+
+
+def commit_manifest(url: str, *, dataset_id: str, target: dict, tokenizer: dict, capture: dict, source: dict,
+                    shards: list[dict], rejected: Mapping[str, int], extra: dict | None = None) -> dict:
+    """Write `manifest.json`, last and atomically: from this moment `url` is a complete store."""
+    identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
+    expected_id = fmt.compute_dataset_id(identity)
+    if dataset_id != expected_id:
+        raise StoreError(f"dataset_id {dataset_id[:12]}… does not match the identity facts "
+                         f"({expected_id[:12]}…); compute it with store_identity() + compute_dataset_id()")
+    fs, root = fmt.open_fs(url)
+    shards = sorted(shards, key=lambda s: s["index"])
+    if [s["index"] for s in shards] != list(range(len(shards))):
+        raise StoreError(f"{url}: shard indices {[s['index'] for s in shards]} are not 0..{len(shards) - 1}")
+    widths = {s["hidden_size"] for s in shards}
+    if len(widths) > 1:
+        raise StoreFormatError(f"{url}: shards disagree on hidden size: {sorted(widths)}")
+    if not fs.exists(fmt.join(root, fmt.HEAD)):
+        raise StoreError(f"{url}: {fmt.HEAD} is missing; call write_head() before commit_manifest()")
+    files = {fmt.HEAD: _file_entry(fs, root, fmt.HEAD)}
+    if fs.exists(fmt.join(root, fmt.REJECTS)):
+        files[fmt.REJECTS] = _file_entry(fs, root, fmt.REJECTS)
+    by_reason = dict(sorted(Counter(dict(rejected)).items()))
+    manifest = {
+        "schema_version": fmt.SCHEMA_VERSION,
+        "format_version": fmt.FORMAT_VERSION,
+        "dataset_id": dataset_id,
+        **identity,
+        "hidden_size": widths.pop() if widths else None,
+        "layers": list(capture["layers"]),
+        "dtype": capture["dtype"],
+        "counts": {"samples": sum(s["samples"] for s in shards),
+                   "tokens": sum(s["tokens"] for s in shards),
+                   "loss_tokens": sum(s["loss_tokens"] for s in shards),
+                   "rejected": sum(by_reason.values()),
+                   "rejected_by_reason": by_reason},
+        "shards": shards,
+        "files": files,
+        "extra": extra or {},
+    }
+    _write_bytes_atomic(fs, fmt.join(root, fmt.MANIFEST),
+                        json.dumps(manifest, indent=1, sort_keys=True).encode())
+    _remove_leftovers(fs, root)
+    return manifest
+
+
+def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: Mapping[str, Any], target: dict,
+                tokenizer: dict, capture: dict, source: dict, rejects: list[Mapping[str, Any]] | None = None,
+                samples_per_shard: int = 1024, overwrite: bool = False, compression: str | None = None) -> dict:
+    """Write a whole store in one process: shards of `samples_per_shard`, head, rejects, manifest.
+
+    The convenience path for tests, tools and small jobs; extraction uses the same pieces in parallel.
+    """
+    identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
+    dataset_id = fmt.compute_dataset_id(identity)
+    state = begin_store(url, dataset_id, overwrite=overwrite)
+    if state == "complete":
+        raise StoreConflictError(f"{url} is already a complete store of this data; pass overwrite=True to rebuild")
+    shards, batch = [], []
+    for sample in samples:
+        batch.append(sample)
+        if len(batch) == samples_per_shard:
+            shards.append(write_shard(url, len(shards), batch, layers=capture["layers"], dtype=capture["dtype"],
+                                      compression=compression))
+            batch = []
+    if batch:
+        shards.append(write_shard(url, len(shards), batch, layers=capture["layers"], dtype=capture["dtype"],
+                                  compression=compression))
+    write_head(url, embed_tokens=head["embed_tokens"], lm_head=head["lm_head"])
+    rejected = Counter(str(r.get("reason", "unknown")) for r in rejects or [])
+    if rejects:
+        write_rejects(url, rejects)
+    return commit_manifest(url, dataset_id=dataset_id, target=target, tokenizer=tokenizer, capture=capture,
+                           source=source, shards=shards, rejected=rejected)
+
+
+def _file_entry(fs: Any, root: str, relative: str) -> dict:
+    path = fmt.join(root, relative)
+    return {"sha256": fmt.sha256_file(fs, path), "bytes": fs.size(path)}
+
+
+def _remove_leftovers(fs: Any, root: str) -> None:
+    """Drop the pending marker and temporary shard folders of crashed attempts."""
+    pending = fmt.join(root, fmt.PENDING)
+    if fs.exists(pending):
+        fs.rm(pending)
+    for entry in fs.ls(fmt.join(root, fmt.SHARDS_DIR), detail=False):
+        if ".tmp-" in entry.rsplit("/", 1)[-1]:
+            fs.rm(entry, recursive=True)
+
+
+def _read_json(fs: Any, path: str) -> dict | None:
+    try:
+        with fs.open(path, "rb") as handle:
+            return json.loads(handle.read())
+    except FileNotFoundError:
+        return None
+    except ValueError as error:
+        raise StoreFormatError(f"{path} is not valid JSON ({error}); delete it or rerun with --overwrite") from None
+
+
+def _write_bytes(fs: Any, path: str, payload: bytes) -> None:
+    if not fmt.is_local(fs):
+        with fs.open(path, "wb") as handle:
+            handle.write(payload)
+        return
+    with open(path, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_bytes_atomic(fs: Any, path: str, payload: bytes) -> None:
+    """Write then rename on local disk; object stores make single-object puts atomic themselves."""
+    if not fmt.is_local(fs):
+        _write_bytes(fs, path, payload)
+        return
+    temporary = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _write_bytes(fs, temporary, payload)
+    os.replace(temporary, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_tree(directory: str) -> None:
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

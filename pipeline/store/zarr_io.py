@@ -1,0 +1,110 @@
+"""Zarr v3 arrays for hidden states: written sharded and chunked along tokens, read by memory map.
+
+Each layer of a shard is one Zarr array `[tokens, hidden]` whose single Zarr shard file holds
+uncompressed inner chunks of `chunk_tokens` rows. Plain zarr reads it anywhere (over fsspec it fetches
+only the inner chunks a read touches). On a local disk, when the inner chunks lie back to back (as the
+writer lays them out), the reader maps the file and hands out zero-copy views instead.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import fsspec
+import numpy as np
+import zarr
+import zarr.storage
+
+from pipeline.store.format import is_local
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_TOKENS = 1024
+_INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two little-endian uint64 per inner chunk
+_CRC_BYTES = 4
+
+
+def zarr_store(fs: fsspec.AbstractFileSystem, path: str, *, read_only: bool) -> Any:
+    """A zarr store over `path` on `fs` (LocalStore on disk, FsspecStore elsewhere)."""
+    if is_local(fs):
+        return zarr.storage.LocalStore(path, read_only=read_only)
+    return zarr.storage.FsspecStore.from_url(fs.unstrip_protocol(path), read_only=read_only,
+                                             storage_options=getattr(fs, "storage_options", None))
+
+
+def chunk_rows(num_tokens: int, target: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """Rows per inner chunk: near `target`, chosen so the padded last chunk wastes < one row per chunk."""
+    num_chunks = max(1, math.ceil(num_tokens / target))
+    return max(1, math.ceil(num_tokens / num_chunks))
+
+
+def write_hidden_array(store: Any, name: str, values: np.ndarray, *, logical_dtype: str, layer: int,
+                       compression: str | None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    """Write `values` [tokens, hidden] as one sharded Zarr array, chunked along tokens."""
+    num_tokens, hidden = values.shape
+    rows = chunk_rows(num_tokens, chunk_tokens)
+    shard_rows = rows * max(1, math.ceil(num_tokens / rows))
+    compressors = None if compression in (None, "none") else [_compressor(compression)]
+    array = zarr.create_array(
+        store=store, name=name, shape=(num_tokens, hidden), dtype=values.dtype,
+        chunks=(rows, hidden), shards=(shard_rows, hidden), compressors=compressors, fill_value=0,
+        config={"write_empty_chunks": True},
+        attributes={"logical_dtype": logical_dtype, "layer": layer,
+                    "encoding": "uint16 bit pattern of bfloat16" if logical_dtype == "bfloat16" else "native"},
+        dimension_names=("token", "hidden"))
+    array[:] = values
+
+
+def _compressor(name: str) -> Any:
+    from zarr.codecs import ZstdCodec
+    if name == "zstd":
+        return ZstdCodec(level=3)
+    raise ValueError(f"unknown compression {name!r}; use 'none' or 'zstd'")
+
+
+def map_hidden_array(array_dir: str, *, dtype: np.dtype, num_tokens: int, hidden: int) -> np.ndarray | None:
+    """Memory-map the single shard file of an array written by `write_hidden_array`, zero-copy.
+
+    Returns None when the layout is not contiguous raw chunks (compressed, or written by another
+    tool), in which case the caller reads through zarr instead.
+    """
+    shard_file = os.path.join(array_dir, "c", "0", "0")
+    rows = _raw_inner_chunk_rows(os.path.join(array_dir, "zarr.json"))
+    if rows is None or not os.path.exists(shard_file):
+        return None
+    size = os.path.getsize(shard_file)
+    num_chunks = math.ceil(num_tokens / rows)
+    chunk_bytes = rows * hidden * dtype.itemsize
+    index_bytes = num_chunks * _INDEX_ENTRY_BYTES + _CRC_BYTES
+    if size != num_chunks * chunk_bytes + index_bytes:
+        return None
+    with open(shard_file, "rb") as handle:
+        handle.seek(size - index_bytes)
+        index = np.frombuffer(handle.read(index_bytes - _CRC_BYTES), dtype="<u8").reshape(num_chunks, 2)
+    expected = np.stack([np.arange(num_chunks, dtype=np.uint64) * chunk_bytes,
+                         np.full(num_chunks, chunk_bytes, dtype=np.uint64)], axis=1)
+    if not np.array_equal(index, expected):
+        return None
+    # mode "c" (copy-on-write): writable views for torch, yet the file itself is never modified.
+    return np.memmap(shard_file, dtype=dtype, mode="c", offset=0, shape=(num_tokens, hidden))
+
+
+def _raw_inner_chunk_rows(metadata_path: str) -> int | None:
+    """Rows per inner chunk if the array is one shard of raw little-endian chunks, index at the end."""
+    try:
+        with open(metadata_path, encoding="utf-8") as handle:
+            codecs = json.load(handle)["codecs"]
+        (sharding,) = codecs
+        config = sharding["configuration"]
+        (inner,) = config["codecs"]
+        if sharding["name"] != "sharding_indexed" or inner["name"] != "bytes" \
+                or inner.get("configuration", {}).get("endian", "little") != "little" \
+                or config.get("index_location", "end") != "end" \
+                or [c["name"] for c in config["index_codecs"]] != ["bytes", "crc32c"]:
+            return None
+        return int(config["chunk_shape"][0])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
