@@ -22,12 +22,18 @@ _COMMANDS: dict[str, str] = {
 }
 
 
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is absent
+        return False
+
+
 class _LazyGroup(click.Group):
     """A click group that imports each subcommand's module on first use."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        present = [name for name, target in _COMMANDS.items()
-                   if importlib.util.find_spec(target.split(":")[0]) is not None]
+        present = [name for name, target in _COMMANDS.items() if _module_exists(target.split(":")[0])]
         return present + sorted(super().list_commands(ctx))
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:

@@ -1,0 +1,102 @@
+"""`beagle-pipeline info` and `beagle-pipeline verify`."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from pipeline.store.errors import StoreError
+
+
+def _human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def info_facts(manifest: dict) -> dict:
+    """The facts `info --json` prints: stable keys other tools may rely on."""
+    counts = manifest["counts"]
+    store_bytes = sum(s["bytes"] for s in manifest["shards"]) + sum(f["bytes"] for f in manifest["files"].values())
+    return {
+        "schema_version": manifest["schema_version"],
+        "dataset_id": manifest["dataset_id"],
+        "num_samples": counts["samples"],
+        "num_tokens": counts["tokens"],
+        "num_loss_tokens": counts["loss_tokens"],
+        "num_rejected": counts["rejected"],
+        "rejected_by_reason": counts["rejected_by_reason"],
+        "hidden_size": manifest["hidden_size"],
+        "layers": manifest["layers"],
+        "dtype": manifest["dtype"],
+        "max_length": manifest.get("capture", {}).get("max_length"),
+        "target": {k: v for k, v in manifest["target"].items() if k != "architecture"},
+        "architecture": manifest["target"].get("architecture", {}),
+        "store_bytes": store_bytes,
+        "shards": [{k: s[k] for k in ("name", "samples", "tokens", "bytes")} for s in manifest["shards"]],
+    }
+
+
+@click.command()
+@click.argument("store")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest facts as JSON.")
+def info(store: str, as_json: bool) -> None:
+    """Summarise the feature store STORE (a path or fsspec URL) without reading hidden states."""
+    from pipeline.store.reader import open_store
+
+    try:
+        manifest = open_store(store, check_files=False).manifest
+    except StoreError as error:
+        raise click.ClickException(str(error)) from None
+    facts = info_facts(manifest)
+    if as_json:
+        click.echo(json.dumps(facts, indent=2))
+        return
+    tokens = max(1, facts["num_tokens"])
+    raw = facts["num_tokens"] * len(facts["layers"]) * facts["hidden_size"] * \
+        {"bfloat16": 2, "float16": 2, "float32": 4}[facts["dtype"]]
+    rows = [
+        ("store", store),
+        ("dataset_id", facts["dataset_id"]),
+        ("schema", facts["schema_version"]),
+        ("target", facts["target"].get("name", "?")),
+        ("hidden size", facts["hidden_size"]),
+        ("layers", ", ".join(map(str, facts["layers"]))),
+        ("dtype", facts["dtype"]),
+        ("samples", f"{facts['num_samples']:,}"),
+        ("tokens", f"{facts['num_tokens']:,} ({facts['num_loss_tokens']:,} in the loss)"),
+        ("rejected", f"{facts['num_rejected']:,} " + (json.dumps(facts["rejected_by_reason"])
+                                                      if facts["num_rejected"] else "")),
+        ("shards", len(facts["shards"])),
+        ("size", f"{_human_bytes(facts['store_bytes'])} ({facts['store_bytes'] / tokens:,.0f} bytes/token, "
+                 f"{facts['store_bytes'] / max(1, raw):.3f} x raw)"),
+    ]
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+
+
+@click.command()
+@click.argument("store")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def verify(store: str, no_progress: bool) -> None:
+    """Recompute every checksum of STORE and check counts, lengths and finiteness.
+
+    Exits 0 when the store is sound, 1 (naming each bad file) otherwise.
+    """
+    from tqdm import tqdm
+
+    from pipeline.store.verify import verify_store
+
+    with tqdm(unit="B", unit_scale=True, desc="verify", disable=no_progress or None, file=sys.stderr) as bar:
+        report = verify_store(store, progress=bar.update)
+    if report.ok:
+        click.echo(f"OK: {store} ({report.files_checked} files, {_human_bytes(report.bytes_checked)}) is sound")
+        return
+    for problem in report.problems:
+        click.echo(f"BAD: {problem}", err=True)
+    click.echo(f"{store}: {len(report.problems)} problem(s) found", err=True)
+    sys.exit(1)
