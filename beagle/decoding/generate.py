@@ -1,0 +1,173 @@
+"""Plain decoding and speculative decoding with a Beagle drafter, one sequence at a time.
+
+Both loops share the same target calls (`verify.run_target`) so that their speed and their greedy
+outputs can be compared honestly. Invariant of the speculative loop, at the top of each round: the target's
+cache holds t_0..t_n, the drafter's cache holds the projected true states h_0..h_n, and `token` is
+t_{n+1}, chosen by the target but not yet run through it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from beagle.decoding.acceptance import Acceptance, greedy_accept, sample_accept
+from beagle.decoding.kv_cache import DraftKeyCache, cache_length, keep_cache_positions
+from beagle.decoding.tree import DraftConfig, build_draft_tree
+from beagle.decoding.verify import new_cache, run_target, verify_tree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    """New tokens and what it took to produce them.
+
+    `target_passes` counts target forwards after the prefill (plain: one per token; speculative: one per
+    verification). `accepted` lists, per round, how many drafted tokens the target accepted.
+    """
+
+    tokens: list[int]
+    seconds: float
+    target_passes: int = 0
+    committed_by_passes: int = 0
+    accepted: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The target's next token from logits `[V]`: argmax, or a sample at `temperature`."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _finish(tokens: list[int], eos_token_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut after the first EOS or at the length limit; report whether generation is over."""
+    for index, token in enumerate(tokens[:max_new_tokens]):
+        if token in eos_token_ids:
+            return tokens[:index + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+def _check_budget(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: generate at least one token (--max-new-tokens >= 1)")
+
+
+@torch.inference_mode()
+def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
+                   eos_token_ids: set[int], temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> GenerationResult:
+    """Token-by-token decoding with a KV cache: the baseline speculative decoding must reproduce."""
+    _check_budget(max_new_tokens)
+    device = prompt_ids.device
+    _synchronize(device)
+    start = time.perf_counter()
+    cache = new_cache(model)
+    output = run_target(model, cache, prompt_ids, hidden=False)
+    tokens, done = _finish([_choose(output.logits[-1], temperature, generator)], eos_token_ids, max_new_tokens)
+    passes = 0
+    while not done:
+        output = run_target(model, cache, prompt_ids.new_tensor([tokens[-1]]), hidden=False)
+        passes += 1
+        tokens, done = _finish(tokens + [_choose(output.logits[-1], temperature, generator)],
+                               eos_token_ids, max_new_tokens)
+    _synchronize(device)
+    return GenerationResult(tokens=tokens, seconds=time.perf_counter() - start, target_passes=passes,
+                            committed_by_passes=passes)
+
+
+class SpeculativeSession:
+    """The state of one speculative generation: both caches and the pending token t_{n+1}.
+
+    Exposed (rather than hidden inside `speculative_generate`) so that tests can check the caches
+    against a fresh forward pass after any number of rounds.
+    """
+
+    def __init__(self, model: torch.nn.Module, drafter: torch.nn.Module, config: DraftConfig,
+                 generator: torch.Generator | None = None) -> None:
+        self.model, self.drafter, self.config, self.generator = model, drafter, config, generator
+        self.cache = new_cache(model)
+        self.draft_cache = DraftKeyCache(drafter)
+        self.token: int | None = None
+        self._drafter_dtype = next(drafter.parameters()).dtype
+
+    def prefill(self, prompt_ids: torch.Tensor) -> int:
+        """Run the prompt `[P]` through the target, seed the drafter's cache, return the first new token."""
+        output = run_target(self.model, self.cache, prompt_ids)
+        positions = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+        self.draft_cache.append(output.hidden.to(self._drafter_dtype), positions)
+        self.token = _choose(output.logits[-1], self.config.temperature, self.generator)
+        return self.token
+
+    def step(self) -> tuple[list[int], Acceptance]:
+        """One round: draft a tree, verify it in one target pass, keep the accepted path in both caches.
+
+        Returns the committed tokens (accepted drafts then the bonus token) and the `Acceptance`.
+        """
+        past = cache_length(self.cache)
+        device = self.draft_cache.keys.device
+        tree = build_draft_tree(self.drafter, self.draft_cache, self.token, past, self.config, self.generator)
+        output = verify_tree(self.model, self.cache, tree, past)
+        if self.config.temperature > 0:
+            acceptance = sample_accept(tree, output.logits, self.config.temperature, self.generator)
+        else:
+            acceptance = greedy_accept(tree, output.logits)
+        # Keep the root and the accepted path in both caches; drop every other branch.
+        kept = torch.tensor([0] + acceptance.path, device=device)  # tree positions at depths 0..m
+        keep_cache_positions(self.cache, torch.cat([torch.arange(past, device=device), past + kept]))
+        self.draft_cache.append(output.hidden[kept].to(self._drafter_dtype),
+                                past + torch.arange(kept.numel(), device=device))
+        self.token = acceptance.bonus_token
+        return tree.tokens[acceptance.path].tolist() + [acceptance.bonus_token], acceptance
+
+
+@torch.inference_mode()
+def speculative_generate(model: torch.nn.Module, drafter: torch.nn.Module, prompt_ids: torch.Tensor,
+                         max_new_tokens: int, eos_token_ids: set[int], config: DraftConfig,
+                         generator: torch.Generator | None = None) -> GenerationResult:
+    """Draft a tree, verify it in one target pass, commit the accepted path plus the bonus token, repeat.
+
+    Tokens past an EOS or the length limit inside an accepted draft are dropped, exactly where plain
+    decoding would have stopped.
+    """
+    _check_budget(max_new_tokens)
+    device = prompt_ids.device
+    result = GenerationResult(tokens=[], seconds=0.0, depth_attempts=[0] * config.depth,
+                              depth_accepts=[0] * config.depth)
+    _synchronize(device)
+    start = time.perf_counter()
+    session = SpeculativeSession(model, drafter, config, generator)
+    tokens, done = _finish([session.prefill(prompt_ids)], eos_token_ids, max_new_tokens)
+    while not done:
+        new_tokens, acceptance = session.step()
+        _record(result, len(acceptance.path), acceptance.tried_next_depth)
+        before = len(tokens)
+        tokens, done = _finish(tokens + new_tokens, eos_token_ids, max_new_tokens)
+        result.committed_by_passes += len(tokens) - before
+    _synchronize(device)
+    result.tokens = tokens
+    result.seconds = time.perf_counter() - start
+    logger.debug("speculative: %d tokens in %d passes", len(tokens), result.target_passes)
+    return result
+
+
+def _record(result: GenerationResult, accepted: int, tried_next_depth: bool) -> None:
+    """Per-round statistics: acceptance length and, per depth, attempts and acceptances."""
+    result.target_passes += 1
+    result.accepted.append(accepted)
+    for depth in range(accepted):
+        result.depth_attempts[depth] += 1
+        result.depth_accepts[depth] += 1
+    if tried_next_depth and accepted < len(result.depth_attempts):
+        result.depth_attempts[accepted] += 1

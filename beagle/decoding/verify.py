@@ -1,0 +1,68 @@
+"""The target's side: prefill, one-token steps, and verifying a whole draft tree in one forward pass.
+
+A tree is verified by handing the target an explicit 4D attention mask. In transformers 5 a 4D mask is
+passed to the attention kernel unchanged (`masking_utils._preprocess_mask_arguments` returns it as-is);
+the eager kernel ADDS it to the scores while SDPA also accepts booleans, so we build the float additive
+form (0 = visible, dtype minimum = hidden), which both read the same way. Any causal LM whose decoder
+takes a 4D mask, explicit `position_ids` and a `DynamicCache` of full-attention layers works: Llama,
+Mistral (without sliding window), Qwen2/Qwen3, SmolLM2 among them.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from beagle.decoding.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    logits: torch.Tensor  # [L, V] next-token logits after each input token
+    hidden: torch.Tensor  # [L, d] last hidden state (after the final norm) of each input token
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """transformers >= 5.x names the cache argument `cache`; earlier versions `past_key_values`."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def run_target(model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Tensor,
+               position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+               hidden: bool = True) -> TargetOutput:
+    """One target forward over `input_ids` `[L]` that appends to `cache`; returns logits and last states."""
+    outputs = model(input_ids=input_ids[None],
+                    position_ids=None if position_ids is None else position_ids[None],
+                    attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden,
+                    **{_cache_keyword(model): cache})
+    states = outputs.hidden_states[-1][0] if hidden else None  # [L, d]
+    return TargetOutput(logits=outputs.logits[0], hidden=states)
+
+
+def tree_attention_mask(parents: torch.Tensor, past_length: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """Additive mask `[1, 1, N+1, past+N+1]`: every node sees the committed past, itself and its ancestors."""
+    size = parents.shape[0]
+    ancestors = torch.eye(size, dtype=torch.bool)
+    for position, parent in enumerate(parents.tolist()):
+        if parent >= 0:  # parents precede children, so the parent's row is complete
+            ancestors[position] |= ancestors[parent]
+    visible = torch.cat([torch.ones(size, past_length, dtype=torch.bool), ancestors], dim=-1).to(device)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def verify_tree(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree, past_length: int) -> TargetOutput:
+    """Run the target once over every tree position; the cache then holds past + all N+1 positions."""
+    dtype = next(model.parameters()).dtype
+    mask = tree_attention_mask(tree.parents, past_length, dtype, tree.tokens.device)
+    positions = past_length + tree.depths  # [N+1]
+    return run_target(model, cache, tree.tokens, positions, mask)

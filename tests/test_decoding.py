@@ -1,0 +1,152 @@
+"""Speculative decoding, greedy: equality with plain decoding, forced acceptance, EOS/length, caches."""
+import pytest
+import torch
+
+from beagle.decoding import DraftConfig, SpeculativeSession, build_draft_tree, plain_generate, speculative_generate
+from beagle.decoding.kv_cache import DraftKeyCache
+from beagle.decoding.verify import new_cache, run_target, verify_tree
+from tests.decoding_helpers import bigram_drafter, random_drafter, tiny_target
+
+PROMPTS = [[3, 5, 7, 9, 11], [1], [40, 2, 2, 2, 8, 13, 21, 34, 55, 1, 4, 9]]
+SHAPES = {
+    "chain": DraftConfig.chain(depth=4),
+    "chain-no-concat": DraftConfig.chain(depth=3, concatenate=False),
+    "tree-narrow": DraftConfig(depth=3, top_k=2, total_tokens=5),
+    "tree-wide": DraftConfig(depth=5, top_k=8, total_tokens=40),
+    "tree-no-concat": DraftConfig(depth=4, top_k=3, total_tokens=10, concatenate=False),
+}
+
+
+def _drafter(kind, target):
+    return random_drafter(target) if kind == "random" else bigram_drafter(target, agree=True)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind,context_scale", [("random", 1.0), ("bigram", 0.15)])
+def test_speculative_greedy_equals_plain(shape, kind, context_scale):
+    target = tiny_target(context_scale=context_scale)
+    drafter = _drafter(kind, target)
+    accepted = 0
+    for prompt in PROMPTS:
+        prompt_ids = torch.tensor(prompt)
+        plain = plain_generate(target, prompt_ids, 30, eos_token_ids=set())
+        spec = speculative_generate(target, drafter, prompt_ids, 30, set(), SHAPES[shape])
+        assert spec.tokens == plain.tokens, f"prompt {prompt}"
+        assert spec.committed_by_passes == len(spec.tokens) - 1
+        accepted += sum(spec.accepted)
+    if kind == "bigram":  # the test exercises acceptance, not only rejections
+        assert accepted > 10
+
+
+def _acceptance(drafter_agrees: bool, config: DraftConfig):
+    target = tiny_target(context_scale=0.0)
+    drafter = bigram_drafter(target, agree=drafter_agrees)
+    prompt = torch.tensor([3, 5, 7])
+    spec = speculative_generate(target, drafter, prompt, 25, set(), config)
+    assert spec.tokens == plain_generate(target, prompt, 25, set()).tokens
+    return spec
+
+
+def test_target_always_accepts_a_matching_drafter():
+    spec = _acceptance(True, DraftConfig.chain(depth=4))
+    assert spec.accepted[:-1] == [4] * (len(spec.accepted) - 1)  # the last round may stop at the length limit
+    assert spec.depth_accepts[:4] == spec.depth_attempts[:4]
+    assert spec.target_passes == 5  # 1 token from the prefill, then 24 in rounds of 5
+
+
+def test_target_never_accepts_a_contrary_drafter():
+    for config in (DraftConfig.chain(depth=4), DraftConfig(depth=3, top_k=5, total_tokens=12)):
+        spec = _acceptance(False, config)
+        assert set(spec.accepted) == {0}
+        assert spec.target_passes == 24
+
+
+def test_target_sometimes_accepts():
+    target = tiny_target(context_scale=0.15)
+    drafter = bigram_drafter(target, agree=True)
+    spec = speculative_generate(target, drafter, torch.tensor([3, 5, 7]), 60, set(), DraftConfig.chain(depth=4))
+    assert 0 in spec.accepted and max(spec.accepted) >= 2
+    assert 0 < spec.depth_accepts[0] < spec.depth_attempts[0]
+
+
+@pytest.mark.parametrize("config", [DraftConfig.chain(depth=5), DraftConfig(depth=5, top_k=3, total_tokens=15)])
+def test_eos_and_length_limit_inside_a_draft(config):
+    target = tiny_target(context_scale=0.0, seed=3)
+    drafter = bigram_drafter(target, agree=True)
+    prompt = torch.tensor([3, 5, 7])
+    free = plain_generate(target, prompt, 30, set()).tokens
+    # An EOS that the first round accepts as its 3rd drafted token: everything after it must go.
+    round_one = speculative_generate(target, drafter, prompt, 30, set(), config)
+    assert round_one.accepted[0] >= 3
+    eos = free[3]
+    first = free.index(eos)
+    spec = speculative_generate(target, drafter, prompt, 30, {eos}, config)
+    assert spec.tokens == free[:first + 1] == plain_generate(target, prompt, 30, {eos}).tokens
+    for limit in (1, 2, 4, 7):
+        assert speculative_generate(target, drafter, prompt, limit, set(), config).tokens == free[:limit]
+
+
+def test_caches_match_a_fresh_forward_after_rejections():
+    target = tiny_target(context_scale=0.15)
+    drafter = bigram_drafter(target, agree=True)
+    prompt = torch.tensor([3, 5, 7, 9])
+    session = SpeculativeSession(target, drafter, DraftConfig(depth=4, top_k=4, total_tokens=16))
+    committed = [session.prefill(prompt)]
+    with torch.inference_mode():
+        rejections = 0
+        for _ in range(6):
+            tokens, acceptance = session.step()
+            committed += tokens
+            rejections += len(acceptance.path) < 4
+        assert rejections > 0
+        # Everything committed except the pending token has been run through the target.
+        sequence = torch.cat([prompt, torch.tensor(committed[:-1])])
+        fresh = new_cache(target)
+        output = run_target(target, fresh, sequence)
+        for kept, reference in zip(session.cache.layers, fresh.layers):
+            torch.testing.assert_close(kept.keys, reference.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(kept.values, reference.values, atol=1e-5, rtol=1e-4)
+        keys, values = drafter.project_keys(output.hidden[None], torch.arange(len(sequence))[None])
+        torch.testing.assert_close(session.draft_cache.keys, keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(session.draft_cache.values, values, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_tree_verification_matches_each_path_run_alone(attn_implementation):
+    """The tree mask and position ids give every node the logits of its own path run without a tree."""
+    target = tiny_target(attn_implementation=attn_implementation)
+    drafter = random_drafter(target)
+    prompt = torch.tensor([4, 8, 15, 16, 23, 42])
+    with torch.inference_mode():
+        cache = new_cache(target)
+        output = run_target(target, cache, prompt)
+        draft_cache = DraftKeyCache(drafter)
+        draft_cache.append(output.hidden, torch.arange(len(prompt)))
+        tree = build_draft_tree(drafter, draft_cache, 9, len(prompt), DraftConfig(depth=3, top_k=3, total_tokens=9))
+        verified = verify_tree(target, cache, tree, len(prompt))
+        for position in range(tree.size):
+            path, node = [], position
+            while node >= 0:
+                path.append(int(tree.tokens[node]))
+                node = int(tree.parents[node])
+            alone = target(torch.cat([prompt, torch.tensor(path[::-1])])[None]).logits[0, -1]
+            torch.testing.assert_close(verified.logits[position], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_shape_follows_the_knobs():
+    target = tiny_target()
+    drafter = random_drafter(target)
+    with torch.inference_mode():
+        draft_cache = DraftKeyCache(drafter)
+        output = run_target(target, new_cache(target), torch.tensor([1, 2, 3]))
+        draft_cache.append(output.hidden, torch.arange(3))
+        for config in (DraftConfig(depth=5, top_k=10, total_tokens=60), DraftConfig(depth=3, top_k=2, total_tokens=6),
+                       DraftConfig.chain(depth=4)):
+            tree = build_draft_tree(drafter, draft_cache, 7, 3, config)
+            assert tree.size == config.total_tokens + 1
+            assert int(tree.depths.max()) <= config.depth
+            for position in range(1, tree.size):
+                parent = int(tree.parents[position])
+                assert 0 <= parent < position and tree.depths[position] == tree.depths[parent] + 1
+                assert len(tree.children[parent]) <= config.top_k
+        assert tree.depths.tolist() == [0, 1, 2, 3, 4]  # the chain
