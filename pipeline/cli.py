@@ -17,6 +17,7 @@ _COMMANDS: dict[str, str] = {
     "extract": "pipeline.extract.cli:extract",
     "info": "pipeline.store.cli:info",
     "verify": "pipeline.store.cli:verify",
+    "merge": "pipeline.store.cli:merge",
     "train": "beagle.train_cli:train",
     "eval": "beagle.eval_cli:evaluate",
 }

@@ -100,3 +100,32 @@ def verify(store: str, no_progress: bool) -> None:
         click.echo(f"BAD: {problem}", err=True)
     click.echo(f"{store}: {len(report.problems)} problem(s) found", err=True)
     sys.exit(1)
+
+
+@click.command()
+@click.argument("stores", nargs=-1, required=True)
+@click.option("--out", required=True, help="Destination store (path or fsspec URL).")
+@click.option("--overwrite", is_flag=True, help="Replace a different store already at --out.")
+@click.option("--samples-per-shard", default=1024, show_default=True, help="Samples per output shard.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def merge(stores: tuple[str, ...], out: str, overwrite: bool, samples_per_shard: int, no_progress: bool) -> None:
+    """Merge STORES (same target, tokenizer and capture settings) into one store at --out.
+
+    Samples are deduplicated by sample id (the first store wins); counts and checksums are recomputed.
+    Incompatible stores are refused with the differing field named.
+    """
+    from tqdm import tqdm
+
+    from pipeline.store.merge import merge_stores
+    from pipeline.store.reader import open_store
+
+    try:
+        total = sum(len(open_store(url, check_files=False)) for url in stores)
+        with tqdm(total=total, unit="sample", desc="merge", disable=no_progress or None, file=sys.stderr) as bar:
+            manifest = merge_stores(list(stores), out, overwrite=overwrite, samples_per_shard=samples_per_shard,
+                                    progress=bar.update)
+    except (StoreError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    dropped = manifest["extra"].get("merge", {}).get("duplicates_dropped", 0)
+    click.echo(f"merged {len(stores)} stores into {out}: {manifest['counts']['samples']} samples, "
+               f"{manifest['counts']['tokens']} tokens, {dropped} duplicate(s) dropped")

@@ -20,6 +20,7 @@ SCHEMA_VERSION = "1.0"
 FORMAT_VERSION = 1
 
 MANIFEST = "manifest.json"
+LOCK = "_lock"  # local stores: flock-ed by the one job writing the store
 PENDING = "_pending.json"  # written when a store is started; names the dataset_id being built
 HEAD = "head.safetensors"
 REJECTS = "rejects.jsonl"

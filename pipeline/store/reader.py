@@ -12,6 +12,7 @@ import logging
 from functools import cached_property
 from typing import Any
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 
@@ -88,9 +89,15 @@ class _Shard:
 class FeatureStore:
     """A complete, read-only feature store. `store[i]` gives one sample as torch tensors."""
 
-    def __init__(self, url: str, *, check_files: bool = True):
+    def __init__(self, url: str, *, check_files: bool = True, cache_dir: str | None = None):
         self.url = str(url)
         self.fs, self.root = fmt.open_fs(self.url)
+        if cache_dir is not None and not fmt.is_local(self.fs):
+            # Remote store: each file is fetched whole on first touch and kept in cache_dir, so epochs
+            # after the first (and later runs on this machine) read local disk. Files never touched
+            # are never fetched. The store's checksums make stale cache entries detectable by verify.
+            self.fs = fsspec.filesystem("filecache", fs=self.fs, cache_storage=str(cache_dir),
+                                        check_files=False, same_names=False)
         self.manifest = _load_manifest(self.fs, self.root, self.url)
         _check_paths(self.manifest, self.url)
         if check_files:
@@ -185,9 +192,12 @@ def _as_tensor(array: Any, logical: str) -> Any:
     return tensor.view(torch.bfloat16) if logical == "bfloat16" else tensor
 
 
-def open_store(url: str, *, check_files: bool = True) -> FeatureStore:
-    """Open a complete store at a local path or fsspec URL. Raises StoreError with the fix on failure."""
-    return FeatureStore(url, check_files=check_files)
+def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = None) -> FeatureStore:
+    """Open a complete store at a local path or fsspec URL. Raises StoreError with the fix on failure.
+
+    cache_dir: for a remote store, a local folder that caches the blocks read (ignored for local stores).
+    """
+    return FeatureStore(url, check_files=check_files, cache_dir=cache_dir)
 
 
 def _load_manifest(fs: Any, root: str, url: str) -> dict:

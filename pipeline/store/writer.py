@@ -6,12 +6,14 @@ complete `manifest.json` is never read as a store, so a crash can never leave ou
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -45,17 +47,14 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
     """
     fs, root = fmt.open_fs(url)
     existing = _read_json(fs, fmt.join(root, fmt.MANIFEST)) or _read_json(fs, fmt.join(root, fmt.PENDING))
-    if existing is not None and existing.get("dataset_id") != dataset_id:
-        if not overwrite:
-            raise StoreConflictError(
-                f"{url} already holds a store built from other inputs or settings "
-                f"(dataset_id {str(existing.get('dataset_id'))[:12]}…, this run {dataset_id[:12]}…); "
-                "pass --overwrite to replace it, or choose another --out")
+    if existing is not None and existing.get("dataset_id") != dataset_id and not overwrite:
+        raise StoreConflictError(
+            f"{url} already holds a store built from other inputs or settings "
+            f"(dataset_id {str(existing.get('dataset_id'))[:12]}…, this run {dataset_id[:12]}…); "
+            "pass --overwrite to replace it, or choose another --out")
+    if existing is not None and overwrite:
         log.warning("overwriting %s (dataset_id %s)", url, existing.get("dataset_id"))
-        fs.rm(root, recursive=True)
-        existing = None
-    elif existing is not None and overwrite:
-        fs.rm(root, recursive=True)
+        _clear_store(fs, root)
         existing = None
     if fs.exists(fmt.join(root, fmt.MANIFEST)):
         return "complete"
@@ -64,6 +63,37 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
         _write_bytes_atomic(fs, fmt.join(root, fmt.PENDING), fmt.canonical_json({"dataset_id": dataset_id}))
         return "new"
     return "resume"
+
+
+@contextmanager
+def store_lock(url: str) -> Iterator[None]:
+    """Hold an exclusive lock on a local store while building it, so two jobs never write one store.
+
+    Object stores have no locks: there, give concurrent jobs distinct destinations.
+    """
+    fs, root = fmt.open_fs(url)
+    if not fmt.is_local(fs):
+        yield
+        return
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, fmt.LOCK)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreConflictError(f"{url} is being written by another process (it holds {path}); "
+                                     "wait for that job to finish, or choose another --out") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _clear_store(fs: Any, root: str) -> None:
+    """Delete a store's content but not its lock file (which the caller may be holding)."""
+    for entry in fs.ls(root, detail=False):
+        if entry.rstrip("/").rsplit("/", 1)[-1] != fmt.LOCK:
+            fs.rm(entry, recursive=True)
 
 
 def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *, layers: list[int],
@@ -261,27 +291,33 @@ def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: Mapping
 
     The convenience path for tests, tools and small jobs; extraction uses the same pieces in parallel.
     """
-    identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
-    dataset_id = fmt.compute_dataset_id(identity)
-    state = begin_store(url, dataset_id, overwrite=overwrite)
-    if state == "complete":
-        raise StoreConflictError(f"{url} is already a complete store of this data; pass overwrite=True to rebuild")
-    shards, batch = [], []
-    for sample in samples:
-        batch.append(sample)
-        if len(batch) == samples_per_shard:
+    with store_lock(url):
+        identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
+        dataset_id = fmt.compute_dataset_id(identity)
+        if begin_store(url, dataset_id, overwrite=overwrite) == "complete":
+            raise StoreConflictError(f"{url} is already a complete store of this data; "
+                                     "pass overwrite=True to rebuild")
+        shards = []
+        for batch in _batched(samples, samples_per_shard):
             shards.append(write_shard(url, len(shards), batch, layers=capture["layers"], dtype=capture["dtype"],
                                       compression=compression))
+        write_head(url, embed_tokens=head["embed_tokens"], lm_head=head["lm_head"])
+        rejected = Counter(str(r.get("reason", "unknown")) for r in rejects or [])
+        if rejects:
+            write_rejects(url, rejects)
+        return commit_manifest(url, dataset_id=dataset_id, target=target, tokenizer=tokenizer, capture=capture,
+                               source=source, shards=shards, rejected=rejected)
+
+
+def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
             batch = []
     if batch:
-        shards.append(write_shard(url, len(shards), batch, layers=capture["layers"], dtype=capture["dtype"],
-                                  compression=compression))
-    write_head(url, embed_tokens=head["embed_tokens"], lm_head=head["lm_head"])
-    rejected = Counter(str(r.get("reason", "unknown")) for r in rejects or [])
-    if rejects:
-        write_rejects(url, rejects)
-    return commit_manifest(url, dataset_id=dataset_id, target=target, tokenizer=tokenizer, capture=capture,
-                           source=source, shards=shards, rejected=rejected)
+        yield batch
 
 
 def _file_entry(fs: Any, root: str, relative: str) -> dict:

@@ -28,11 +28,19 @@ _CRC_BYTES = 4
 
 
 def zarr_store(fs: fsspec.AbstractFileSystem, path: str, *, read_only: bool) -> Any:
-    """A zarr store over `path` on `fs` (LocalStore on disk, FsspecStore elsewhere)."""
+    """A zarr store over `path` on `fs` (LocalStore on disk, FsspecStore elsewhere).
+
+    zarr needs an asynchronous filesystem: natively async ones (s3fs, gcsfs) are reopened in async
+    mode from their URL; synchronous ones (memory, a local chunk cache) are wrapped as they are.
+    """
     if is_local(fs):
         return zarr.storage.LocalStore(path, read_only=read_only)
-    return zarr.storage.FsspecStore.from_url(fs.unstrip_protocol(path), read_only=read_only,
-                                             storage_options=getattr(fs, "storage_options", None))
+    if fs.async_impl:
+        return zarr.storage.FsspecStore.from_url(fs.unstrip_protocol(path), read_only=read_only,
+                                                 storage_options=getattr(fs, "storage_options", None))
+    from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+    return zarr.storage.FsspecStore(AsyncFileSystemWrapper(fs, asynchronous=True), read_only=read_only,
+                                    path=path)
 
 
 def chunk_rows(num_tokens: int, target: int = DEFAULT_CHUNK_TOKENS) -> int:
