@@ -14,8 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+# Under CUDA autocast, run backward with the same autocast state as forward (bf16 matmuls).
+_custom_fwd = torch.amp.custom_fwd(device_type="cuda")
+_custom_bwd = torch.amp.custom_bwd(device_type="cuda")
+
+
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
+    @_custom_fwd
     def forward(ctx, hidden: Tensor, target_hidden: Tensor, weight: Tensor, chunk: int):  # type: ignore[override]
         N = hidden.shape[0]
         dev = hidden.device
@@ -53,6 +59,7 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         return loss, arg_q, arg_t
 
     @staticmethod
+    @_custom_bwd
     def backward(ctx, grad_loss: Tensor, _g1, _g2):  # type: ignore[override]
         hidden, target_hidden, weight, lse_q, lse_t = ctx.saved_tensors
         mm_dtype = hidden.dtype
@@ -82,28 +89,12 @@ def regression_loss(hidden: Tensor, target_hidden: Tensor) -> Tensor:
 
 
 @dataclass
-class DepthLoss:
-    """Summed (not yet averaged) loss terms of one depth: lets steps and depths be combined later."""
-
-    token_sum: Tensor
-    regression_sum: Tensor
-    correct: int
-    count: int
-
-
-def depth_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, lm_head: Tensor,
-               chunk_size: int) -> DepthLoss:
-    """Loss sums over rows with weight [N] > 0 (rows where the predicted token is an assistant token
-    and the query saw a key). hidden/target_hidden [N, d]."""
-    keep = weight > 0
-    hidden, target_hidden, weight = hidden[keep], target_hidden[keep], weight[keep]
-    if hidden.shape[0] == 0:
-        zero = hidden.sum() * 0.0
-        return DepthLoss(zero, zero, 0, 0)
-    ce, arg_q, arg_t = soft_cross_entropy(hidden, target_hidden, lm_head, chunk_size)
-    reg = regression_loss(hidden, target_hidden)
-    return DepthLoss((ce * weight).sum(), (reg * weight).sum(),
-                     int((arg_q == arg_t).sum()), int(hidden.shape[0]))
+class LossResult:
+    loss: Tensor                # what is optimised: token_loss + regression_weight * regression_loss
+    token_loss: Tensor
+    regression_loss: Tensor
+    correct: list[int]          # per depth 1..k: draft top-1 == target top-1 on loss rows
+    count: list[int]            # per depth: loss rows
 
 
 def beta_weights(simulation_steps: int) -> list[float]:
@@ -113,21 +104,30 @@ def beta_weights(simulation_steps: int) -> list[float]:
     return [b / total for b in betas]
 
 
-def combine(parts: dict[int, DepthLoss], depth_weights: dict[int, float] | None,
-            regression_weight: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, token_loss, regression_loss). Without depth weights (stage 1) every row counts the
-    same; with them (stage 2) each depth's mean is weighted by its normalised β_j. A depth with no
-    loss rows in the batch contributes nothing."""
-    any_part = next(iter(parts.values()))
+def drafter_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
+                 num_depths: int, depth_weights: list[float] | None, regression_weight: float,
+                 chunk_size: int) -> LossResult:
+    """Loss over rows: hidden/target_hidden [N, d], weight [N] (0 drops a row), depth [N] in 1..k.
+
+    Stage 1 (depth_weights None): the weighted mean over all rows. Stage 2: each depth's weighted
+    mean times its normalised β_j; a depth without rows in the batch contributes nothing."""
+    keep = weight > 0
+    hidden, target_hidden, weight, depth = hidden[keep], target_hidden[keep], weight[keep], depth[keep]
+    ce, arg_q, arg_t = soft_cross_entropy(hidden, target_hidden, lm_head, chunk_size)  # [N] each
+    reg = regression_loss(hidden, target_hidden)                                        # [N]
+    index = depth - 1
+    token_sum = torch.zeros(num_depths, device=hidden.device).index_add(0, index, ce * weight)
+    reg_sum = torch.zeros(num_depths, device=hidden.device).index_add(0, index, reg * weight)
+    w_sum = torch.zeros(num_depths, device=hidden.device).index_add(0, index, weight.float())
+    correct = torch.zeros(num_depths, dtype=torch.long, device=hidden.device).index_add(
+        0, index, (arg_q == arg_t).long())
+    count = torch.bincount(index, minlength=num_depths)
     if depth_weights is None:
-        count = sum(p.count for p in parts.values())
-        token = sum((p.token_sum for p in parts.values()), any_part.token_sum * 0.0) / max(count, 1)
-        reg = sum((p.regression_sum for p in parts.values()), any_part.token_sum * 0.0) / max(count, 1)
+        total = w_sum.sum().clamp_min(1e-12)
+        token, regression = token_sum.sum() / total, reg_sum.sum() / total
     else:
-        token = any_part.token_sum * 0.0
-        reg = any_part.token_sum * 0.0
-        for j, p in parts.items():
-            if p.count:
-                token = token + depth_weights[j] * p.token_sum / p.count
-                reg = reg + depth_weights[j] * p.regression_sum / p.count
-    return token + regression_weight * reg, token, reg
+        scale = torch.tensor(depth_weights + [0.0] * (num_depths - len(depth_weights)),
+                             device=hidden.device) / w_sum.clamp_min(1e-12)
+        token, regression = (token_sum * scale).sum(), (reg_sum * scale).sum()
+    return LossResult(token + regression_weight * regression, token, regression,
+                      correct.tolist(), count.tolist())

@@ -1,0 +1,170 @@
+"""Training data from feature stores: memory-mapped reads, token-budget batches, one-batch prefetch.
+
+The batch plan of an epoch depends only on (seed, epoch), so a resumed run can skip to the batch it
+stopped at without replaying anything. No Ray, no target model: just `pipeline.store.open_store`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline.store import open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor      # [B, L] int64, padded with 0
+    loss_mask: Tensor      # [B, L] bool, False on padding
+    hidden: Tensor         # [B, L, d] float32 target states (the layer the LM head reads)
+    lengths: Tensor        # [B] int64 true lengths
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.input_ids, self.loss_mask, self.hidden, self.lengths)))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def fingerprint(target: dict) -> dict[str, Any]:
+    """What identifies a target model: its name and the hashes of its config and weights."""
+    return {k: target.get(k) for k in ("name", "config_sha256", "weights_sha256")}
+
+
+def _describe(store_url: str, target: dict) -> str:
+    fp = fingerprint(target)
+    return f"{store_url} (target {fp['name']}, weights {str(fp['weights_sha256'])[:12]})"
+
+
+class StoreSet:
+    """One or more stores of the same target, read as one list of samples."""
+
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("no --store given; pass at least one feature store written by `extract`")
+        self.urls = [str(u) for u in urls]
+        self.stores = [open_store(u) for u in self.urls]
+        first = self.stores[0]
+        for url, store in zip(self.urls[1:], self.stores[1:]):
+            if fingerprint(store.target) != fingerprint(first.target):
+                raise ValueError(f"stores come from different targets: {_describe(self.urls[0], first.target)} "
+                                 f"vs {_describe(url, store.target)}; train on stores of one target only")
+            if store.hidden_size != first.hidden_size:
+                raise ValueError(f"hidden_size differs: {self.urls[0]} has {first.hidden_size}, "
+                                 f"{url} has {store.hidden_size}")
+        self._layer = [self._pick_layer(u, s.layers) for u, s in zip(self.urls, self.stores)]
+        sizes = [len(s) for s in self.stores]
+        self._starts = np.cumsum([0] + sizes)
+        self.lengths = np.concatenate([s.lengths for s in self.stores]) if sizes else np.zeros(0, np.int64)
+        if len(self.lengths) == 0:
+            raise ValueError(f"the stores {self.urls} hold no samples")
+
+    @staticmethod
+    def _pick_layer(url: str, layers: list[int]) -> int:
+        """Index of the state the LM head reads (layer -1); stores captured without it cannot train."""
+        if -1 in layers:
+            return layers.index(-1)
+        raise ValueError(f"{url} captured layers {layers} but not -1 (the state the LM head reads); "
+                         "re-extract with the default capture")
+
+    @property
+    def target(self) -> dict:
+        return self.stores[0].target
+
+    @property
+    def hidden_size(self) -> int:
+        return self.stores[0].hidden_size
+
+    @property
+    def dataset_ids(self) -> list[str]:
+        return [s.dataset_id for s in self.stores]
+
+    def load_head(self) -> dict[str, Tensor]:
+        return self.stores[0].load_head()
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def sample(self, index: int, limit: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(input_ids [L], loss_mask [L], hidden [L, d] float32), truncated to `limit` tokens."""
+        which = int(np.searchsorted(self._starts, index, side="right") - 1)
+        s = self.stores[which][int(index - self._starts[which])]
+        hidden = s["hidden_states"][self._layer[which], :limit]
+        return s["input_ids"][:limit], s["loss_mask"][:limit], hidden.to(torch.float32)
+
+    def state_rms(self, max_samples: int, limit: int) -> float:
+        """RMS of the target states over the first samples: the scale the key noise is relative to."""
+        total, count = 0.0, 0
+        for i in range(min(max_samples, len(self))):
+            h = self.sample(i, limit)[2].double()
+            total += float(h.square().sum())
+            count += h.numel()
+        return (total / max(count, 1)) ** 0.5
+
+
+def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int, epoch: int) -> list[list[int]]:
+    """Token-budget batches for one epoch: shuffle, sort by length inside groups of 256 samples to
+    cut padding, pack while B * max_len <= batch_tokens, then shuffle the batches."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    clipped = np.minimum(lengths, limit)
+    batches: list[list[int]] = []
+    for g in range(0, len(order), 256):
+        group = sorted(order[g:g + 256].tolist(), key=lambda i: -int(clipped[i]))
+        current: list[int] = []
+        longest = 0
+        for i in group:
+            new_longest = max(longest, int(clipped[i]))
+            if current and (len(current) + 1) * new_longest > batch_tokens:
+                batches.append(current)
+                current, new_longest = [], int(clipped[i])
+            current.append(i)
+            longest = new_longest
+        if current:
+            batches.append(current)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def collate(samples: list[tuple[Tensor, Tensor, Tensor]]) -> Batch:
+    B = len(samples)
+    L = max(int(s[0].shape[0]) for s in samples)
+    d = samples[0][2].shape[-1]
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    hidden = torch.zeros(B, L, d, dtype=torch.float32)
+    lengths = torch.zeros(B, dtype=torch.long)
+    for b, (i, m, h) in enumerate(samples):
+        n = i.shape[0]
+        ids[b, :n], mask[b, :n], hidden[b, :n], lengths[b] = i, m, h, n
+    return Batch(ids, mask, hidden, lengths)
+
+
+class Loader:
+    """Yields (batch_index, Batch, wait_seconds) from `start`, reading the next batch in a thread
+    while the current one trains. wait_seconds is how long the trainer waited for data."""
+
+    def __init__(self, data: StoreSet, plan: list[list[int]], *, limit: int, start: int = 0) -> None:
+        self.data, self.plan, self.limit, self.start = data, plan, limit, start
+
+    def _read(self, index: int) -> Batch:
+        return collate([self.data.sample(i, self.limit) for i in self.plan[index]])
+
+    def __iter__(self) -> Iterator[tuple[int, Batch, float]]:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="beagle-data") as pool:
+            pending = pool.submit(self._read, self.start) if self.start < len(self.plan) else None
+            for index in range(self.start, len(self.plan)):
+                t0 = time.perf_counter()
+                batch = pending.result()
+                wait = time.perf_counter() - t0
+                pending = pool.submit(self._read, index + 1) if index + 1 < len(self.plan) else None
+                yield index, batch, wait

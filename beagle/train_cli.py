@@ -1,0 +1,69 @@
+"""`beagle-pipeline train`: build a TrainConfig from defaults, --config FILE and flags, then train."""
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from beagle.train_config import TrainConfig, load_config_file
+
+
+@click.command("train")
+@click.option("--store", "stores", multiple=True, required=True,
+              help="Feature store (path or fsspec URL); repeat to train on several stores of one target.")
+@click.option("--out", "run_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory: metrics, checkpoints, drafter/ export, curves.png.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="TOML or JSON file with TrainConfig keys; flags given here override it.")
+@click.option("--stage1-epochs", type=int, help="Epochs of stage 1 (block attention). [2]")
+@click.option("--stage2-epochs", type=int, help="Epochs of stage 2 (training-time simulation). [2]")
+@click.option("--max-steps", type=int, help="Stop after this many optimizer steps in total.")
+@click.option("--window-size", type=int, help="Window size k. [5]")
+@click.option("--simulation-steps", type=int, help="Stage-2 depths s <= k. [4]")
+@click.option("--batch-tokens", type=int, help="Padded tokens per batch. [4096]")
+@click.option("--max-length", type=int, help="Truncate samples to this many tokens. [batch-tokens]")
+@click.option("--lr", type=float, help="Peak learning rate. [3e-5]")
+@click.option("--warmup-steps", type=int, help="Linear warm-up steps. [2000]")
+@click.option("--noise-std", type=float, help="Key noise std as a fraction of the states' RMS. [0.2]")
+@click.option("--detach-feedback/--no-detach-feedback", default=None,
+              help="Cut gradients through fed-back predicted states in stage 2. [no]")
+@click.option("--vocab-chunk", type=int, help="Vocabulary rows per soft cross-entropy chunk. [8192]")
+@click.option("--checkpoint-every", type=int, help="Steps between checkpoints. [500]")
+@click.option("--device", help="auto, cpu, cuda or cuda:N. [auto]")
+@click.option("--seed", type=int, help="Seed for init, batch order, offsets and noise. [0]")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume: bool, progress: bool,
+          **flags: Any) -> None:
+    """Train a Beagle drafter on feature stores (stage 1, then stage 2) and export RUN/drafter/."""
+    from tqdm import tqdm
+
+    from beagle.trainer import train as run_training
+
+    try:
+        base = load_config_file(config_file) if config_file else TrainConfig()
+        config = base.override(**flags)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    bar = None
+
+    def on_step(metrics: dict, total: int) -> None:
+        nonlocal bar
+        if not progress:
+            return
+        if bar is None:
+            bar = tqdm(total=total, initial=metrics["step"] - 1, desc="train", unit="step")
+        bar.set_postfix(stage=metrics["stage"], loss=f"{metrics['loss']:.4f}",
+                        acc1=f"{metrics['accuracy'][0] or 0:.2f}")
+        bar.update(1)
+
+    try:
+        result = run_training(list(stores), run_dir, config, resume=resume, on_step=on_step)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    finally:
+        if bar is not None:
+            bar.close()
+    final = result.final_metrics or {}
+    click.echo(f"trained {result.steps} steps; final loss {final.get('loss', float('nan')):.4f}; "
+               f"drafter in {result.run_dir / 'drafter'}")

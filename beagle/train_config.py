@@ -1,0 +1,102 @@
+"""Trainer configuration: one frozen dataclass, laptop-CPU defaults, loadable from TOML or JSON.
+
+Method defaults follow the paper (window 5, 4 simulation steps, lr 3e-5 after 2000 warm-up steps,
+noise 0.2, clip 0.5). Sizes default to what a laptop CPU finishes: 2 + 2 epochs of 4096-token
+batches. For tiny test models use a larger lr (1e-3) and a short warm-up (see docs/training.md).
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # schedule
+    stage1_epochs: int = 2
+    stage2_epochs: int = 2
+    max_steps: int | None = None          # stop after this many optimizer steps in total
+    # method
+    window_size: int = 5                  # k: stage-1 block size and the drafting depth trained
+    simulation_steps: int = 4             # s <= k: stage-2 depths simulated with fed-back states
+    noise_std: float = 0.2                # Gaussian key noise, as a fraction of the states' RMS
+    regression_weight: float = 10.0       # SmoothL1 weight relative to the soft cross-entropy
+    detach_feedback: bool = False         # cut gradients through fed-back predicted states
+    # optimisation
+    batch_tokens: int = 4096              # padded tokens per batch (B * max length)
+    max_length: int | None = None         # truncate samples; default batch_tokens
+    lr: float = 3e-5
+    warmup_steps: int = 2000
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    vocab_chunk: int = 8192               # soft cross-entropy computed over this many vocab rows at once
+    # runtime
+    seed: int = 0
+    device: str = "auto"                  # auto | cpu | cuda | cuda:N
+    bf16: bool = True                     # bf16 autocast on GPU (CPU always trains in fp32)
+    checkpoint_every: int = 500
+    rms_samples: int = 64                 # samples read to measure the states' RMS for the noise
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.window_size >= 1, "window_size must be >= 1"),
+            (1 <= self.simulation_steps <= self.window_size,
+             f"simulation_steps={self.simulation_steps} must lie in 1..window_size ({self.window_size})"),
+            (self.stage1_epochs >= 0 and self.stage2_epochs >= 0, "epochs must be >= 0"),
+            (self.stage1_epochs + self.stage2_epochs > 0, "stage1_epochs + stage2_epochs must be > 0"),
+            (self.max_steps is None or self.max_steps > 0, "max_steps must be > 0"),
+            (self.batch_tokens >= 2, "batch_tokens must be >= 2"),
+            (self.max_length is None or self.max_length >= 2, "max_length must be >= 2"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
+            (self.noise_std >= 0, "noise_std must be >= 0"),
+            (self.grad_clip > 0, "grad_clip must be > 0"),
+            (self.vocab_chunk >= 1, "vocab_chunk must be >= 1"),
+            (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"invalid training config: {message}")
+
+    @property
+    def sequence_limit(self) -> int:
+        return min(self.max_length or self.batch_tokens, self.batch_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "config") -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{source}: unknown training option(s) {unknown}; valid keys: {sorted(names)}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(float(b) for b in d["betas"])
+        return cls(**d)
+
+    def override(self, **changes: Any) -> "TrainConfig":
+        """Apply CLI flags that were given (None means not given)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def load_config_file(path: str | Path) -> TrainConfig:
+    """Read a TOML (.toml) or JSON file into TrainConfig; unknown keys are an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: cannot parse ({exc}); use TOML (.toml) or JSON (.json)") from exc
+    if isinstance(data.get("train"), dict) and len(data) == 1:  # allow a [train] table
+        data = data["train"]
+    return TrainConfig.from_dict(data, source=str(path))
