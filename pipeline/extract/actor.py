@@ -1,0 +1,101 @@
+"""The Ray Data stages: tokenize tasks and the forward actor that turns a whole shard into stored states.
+
+Both take and return `dict[str, np.ndarray]` batches, so they run without Ray on a hand-built batch.
+A row is a whole shard (or a tokenize chunk); payloads are pickled lists so ragged token arrays cross
+the object store as one binary value. The actor writes its shard itself: shipping [n, L, d] states back
+through the object store to a separate writer would copy the largest thing in the job for nothing.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import pickle
+import time
+from typing import Any
+
+import numpy as np
+
+from pipeline.extract.chat import load_tokenizer, tokenize_record
+from pipeline.extract.forward import ForwardConfig, TargetForward
+from pipeline.extract.inputs import Record, RejectRecord
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(model_path: str, trust_remote_code: bool) -> Any:
+    return load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+
+
+def tokenize_records(tokenizer: Any, records: list[Record], *, max_length: int) -> list[tuple[str, dict]]:
+    """("sample", {sample_id, input_ids, loss_mask, truncated}) or ("reject", {source, index, reason...})."""
+    out: list[tuple[str, dict]] = []
+    for record in records:
+        try:
+            tokenized = tokenize_record(tokenizer, record, max_length=max_length)
+        except RejectRecord as reject:
+            out.append(("reject", {"source": record.source, "index": record.index, "sample_id": record.sample_id,
+                                   "reason": reject.reason, "detail": reject.detail}))
+            continue
+        out.append(("sample", {"sample_id": record.sample_id, "input_ids": tokenized.input_ids,
+                               "loss_mask": tokenized.loss_mask, "truncated": tokenized.truncated,
+                               "dropped_leading_assistant": record.dropped_leading_assistant}))
+    return out
+
+
+def tokenize_chunks(batch: dict[str, np.ndarray], *, model_path: str, trust_remote_code: bool,
+                    max_length: int) -> dict[str, np.ndarray]:
+    """Ray Data task: each row's `records` (pickled list of Record) -> `tokenized` (pickled results)."""
+    tokenizer = _tokenizer(model_path, trust_remote_code)
+    results = [pickle.dumps(tokenize_records(tokenizer, pickle.loads(payload), max_length=max_length))
+               for payload in batch["records"]]
+    return {"chunk": np.asarray(batch["chunk"]), "tokenized": np.asarray(results, dtype=object)}
+
+
+class ShardExtractor:
+    """Ray Data actor: loads the target once; per row, forwards one shard's samples and commits the shard.
+
+    Also writes the store's head (embedding + LM head) once if it is not there yet: every actor holds
+    the model already, and the head write is atomic, so two actors racing write the same bytes.
+    """
+
+    def __init__(self, config: ForwardConfig, store_url: str) -> None:
+        self.config = config
+        self.store_url = store_url
+        self.forward = TargetForward(config)
+        self._head_done = False
+
+    def _ensure_head(self) -> None:
+        from pipeline.store import format as fmt
+        from pipeline.store import write_head
+
+        fs, root = fmt.open_fs(self.store_url)
+        if not fs.exists(fmt.join(root, fmt.HEAD)):
+            write_head(self.store_url, **self.forward.head())
+        self._head_done = True
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from pipeline.store import write_shard
+
+        infos, seconds, forward_seconds = [], [], []
+        for shard_index, payload in zip(batch["shard_index"], batch["samples"]):
+            started = time.perf_counter()
+            samples = pickle.loads(payload)
+            states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
+            forward_seconds.append(time.perf_counter() - started)
+            info = write_shard(self.store_url, int(shard_index),
+                               [{"sample_id": s["sample_id"], "input_ids": s["input_ids"],
+                                 "loss_mask": s["loss_mask"], "hidden_states": h} for s, h in zip(samples, states)],
+                               layers=self.forward.layers, dtype=self.config.dtype)
+            if not self._head_done:
+                self._ensure_head()
+            infos.append(json.dumps(info))
+            seconds.append(time.perf_counter() - started)
+            logger.info("shard %d: %d samples in %.2fs (pid %d)", shard_index, len(samples), seconds[-1],
+                        os.getpid())
+        return {"shard_index": np.asarray(batch["shard_index"], dtype=np.int64),
+                "info": np.asarray(infos, dtype=object),
+                "seconds": np.asarray(seconds), "forward_seconds": np.asarray(forward_seconds)}
+

@@ -1,0 +1,143 @@
+"""Tokenize records with the target's own chat template and mark the tokens the model generates.
+
+loss_mask is 1 exactly on the tokens of assistant turns: the turn's content and its end-of-turn marker
+(e.g. `<|im_end|>`), not the role header the template writes before it and not the whitespace the
+template writes after it. Two ways to find them, both exact:
+  * the template has `{% generation %}` markers: transformers' `return_assistant_tokens_mask`;
+  * it has none: render growing prefixes. For assistant turn i, P = render(turns[:i], generation
+    prompt) and Q = render(turns[:i+1]); the turn is the text Q[len(P):], minus the template's trailing
+    whitespace. Both must be prefixes of the full rendering, otherwise the template rewrites history
+    (e.g. strips earlier reasoning) and the record is rejected as `template_not_prefix_stable`.
+Tokens overlapping an assistant character span are marked, as transformers does for generation markers,
+so the two paths agree on the same template (tested).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.extract.inputs import Record, RejectRecord
+
+logger = logging.getLogger(__name__)
+
+_GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    input_ids: np.ndarray  # [L] int32
+    loss_mask: np.ndarray  # [L] bool
+    truncated: bool
+
+
+def load_tokenizer(model_path: str, *, trust_remote_code: bool = False) -> Any:
+    """Load the target's tokenizer from a local directory; one-line ValueError when it cannot be used."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model {model_path}: cannot load its tokenizer ({first})") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"--model {model_path}: the tokenizer is not a fast (Rust) tokenizer; exact loss masks "
+                         "need its character offsets; add a tokenizer.json to the model directory")
+    return tokenizer
+
+
+def has_generation_markers(tokenizer: Any) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and bool(_GENERATION_MARKER.search(template))
+
+
+def tokenizer_fingerprint(model_path: str, tokenizer: Any) -> dict[str, str]:
+    """Hashes of the tokenizer files and of the chat template: both decide the stored ids and masks."""
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in Path(model_path).iterdir() if p.is_file()):
+        if name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges",
+                            "chat_template")):
+            digest.update(name.encode() + b"\0" + (Path(model_path) / name).read_bytes())
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    return {"files_sha256": digest.hexdigest(),
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()}
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `full`, by rendering growing prefixes."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:i], generation_prompt=True)
+        upto = _render(tokenizer, messages[:i + 1], generation_prompt=False)
+        if not (upto.startswith(prefix) and full.startswith(upto)):
+            raise RejectRecord("template_not_prefix_stable",
+                               f"rendering turns[:{i + 1}] is not a prefix of the full conversation")
+        turn = upto[len(prefix):]
+        # Keep the content and the end-of-turn marker; drop the whitespace the template adds after it.
+        at = turn.rfind(message["content"]) if message["content"] else -1
+        content_end = at + len(message["content"]) if at >= 0 else 0
+        end = content_end + len(turn[content_end:].rstrip())
+        spans.append((len(prefix), len(prefix) + end))
+    return spans
+
+
+def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    mask = np.zeros(len(offsets), dtype=bool)
+    for start, end in spans:
+        for k, (a, b) in enumerate(offsets):
+            if a < end and b > start:
+                mask[k] = True
+    return mask
+
+
+def tokenize_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], np.ndarray]:
+    """(input_ids, loss_mask) of a whole conversation, before truncation."""
+    try:
+        if has_generation_markers(tokenizer):
+            encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                    return_assistant_tokens_mask=True)
+            return list(encoded["input_ids"]), np.asarray(encoded["assistant_masks"], dtype=bool)
+        full = _render(tokenizer, messages, generation_prompt=False)
+        spans = _assistant_spans(tokenizer, messages, full)
+    except RejectRecord:
+        raise
+    except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError and friends
+        raise RejectRecord("template_error", str(exc).strip().splitlines()[0][:200] if str(exc) else
+                           type(exc).__name__) from None
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    return list(encoded["input_ids"]), _mask_from_spans(encoded["offset_mapping"], spans)
+
+
+def tokenize_text(tokenizer: Any, text: str) -> tuple[list[int], np.ndarray]:
+    """Plain text: every token is generated text, so every token but the tokenizer's specials counts."""
+    encoded = tokenizer(text, add_special_tokens=True, return_special_tokens_mask=True)
+    return list(encoded["input_ids"]), ~np.asarray(encoded["special_tokens_mask"], dtype=bool)
+
+
+def tokenize_record(tokenizer: Any, record: Record, *, max_length: int) -> Tokenized:
+    """Tokenize one record and truncate it at `max_length`; `RejectRecord` when nothing is left to learn."""
+    if record.messages is not None:
+        if not isinstance(tokenizer.chat_template, str):
+            raise RejectRecord("template_error", "the tokenizer has no chat template")
+        messages = [{"role": role, "content": content} for role, content in record.messages]
+        ids, mask = tokenize_chat(tokenizer, messages)
+    else:
+        ids, mask = tokenize_text(tokenizer, record.text or "")
+    truncated = len(ids) > max_length
+    input_ids = np.asarray(ids[:max_length], dtype=np.int32)
+    loss_mask = mask[:max_length]
+    if not loss_mask.any():
+        raise RejectRecord("no_loss_tokens", f"{len(ids)} tokens, none of them assistant tokens"
+                           + (f" within the first {max_length}" if truncated else ""))
+    return Tokenized(input_ids=input_ids, loss_mask=loss_mask, truncated=truncated)

@@ -1,0 +1,103 @@
+"""`beagle-pipeline extract`: the click command; builds an ExtractConfig, draws progress, prints the summary."""
+from __future__ import annotations
+
+import click
+
+from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
+
+
+class _TqdmProgress:
+    """A tqdm bar over samples with tokens/s in its postfix."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.tokens = 0
+        self.first_tokens = None
+
+    def start(self, samples: int, tokens: int) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=samples, unit="sample", desc="extract", dynamic_ncols=True)
+
+    def advance(self, samples: int, tokens: int) -> None:
+        if self.bar is None:
+            return
+        if self.first_tokens is None:  # shards kept from an earlier run do not count towards speed
+            self.first_tokens = tokens
+            self.bar.update(samples)
+            return
+        self.tokens += tokens
+        self.bar.update(samples)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated integers, e.g. -1 or 4,8,-1") from None
+
+
+@click.command("extract")
+@click.option("--model", "model_path", required=True, type=click.Path(),
+              help="Local directory of the target (transformers format). The hub is never used.")
+@click.option("--data", multiple=True, required=True, type=click.Path(),
+              help="Input: .jsonl, .json (array), .parquet or a datasets save_to_disk directory. Repeatable.")
+@click.option("--out", required=True, help="Store to write: a local path or an fsspec URL.")
+@click.option("--layers", default="-1", callback=_layers, show_default=True,
+              help="Hidden-state layers to store (HF hidden_states index; -1 = after the final norm, "
+                   "what the LM head reads). Comma-separated.")
+@click.option("--max-length", default=2048, show_default=True, help="Truncate samples at this many tokens.")
+@click.option("--dtype", default="bfloat16", show_default=True,
+              type=click.Choice(["bfloat16", "float16", "float32"]), help="Model and stored dtype.")
+@click.option("--batch-tokens", default=16384, show_default=True,
+              help="Padded tokens per forward batch (rows x longest sample).")
+@click.option("--num-workers", type=int, default=None,
+              help="Forward actors. Default: one per GPU, or one CPU actor using all cores.")
+@click.option("--address", default=None, help="Ray cluster to join (default: start a local Ray).")
+@click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
+@click.option("--samples-per-shard", default=256, show_default=True, help="Samples per store shard.")
+@click.option("--overwrite", is_flag=True, help="Replace a store built from other inputs or settings.")
+@click.option("--dry-run", is_flag=True, help="Tokenize only; print token count and estimated store size.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int, ...], max_length: int,
+            dtype: str, batch_tokens: int, num_workers: int | None, address: str | None, limit: int | None,
+            samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
+            no_progress: bool) -> None:
+    """Run the target over conversations and store its hidden states for drafter training.
+
+    Rerun the same command after a crash: committed shards are kept and the rest is redone.
+    """
+    import logging
+
+    from pipeline.store import StoreError
+
+    if logging.getLogger().getEffectiveLevel() > logging.INFO and not dry_run:
+        import ray.data  # noqa: F401 - configures its loggers on import; quiet them afterwards
+        for name in ("ray", "ray.data"):  # Ray Data logs every execution at INFO
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+    config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
+                           dtype=dtype, batch_tokens=batch_tokens, num_workers=num_workers, address=address,
+                           limit=limit, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                           samples_per_shard=samples_per_shard)
+    progress = _TqdmProgress(enabled=not no_progress)
+    try:
+        summary = dry_run_fn(config) if dry_run else run_extract(config, progress=progress)
+    except (ValueError, StoreError) as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        progress.close()
+    if summary.state == "complete":
+        click.echo(f"{out} is already complete for these inputs and settings; nothing to do")
+    click.echo("\n".join(summary.lines()))
+
+
+dry_run_fn = dry_run

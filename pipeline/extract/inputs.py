@@ -1,0 +1,256 @@
+"""Read conversation records from JSON, JSONL, Parquet and `datasets` directories.
+
+Reading happens on the driver: it is cheap next to the target forward, and it is the one place where a
+malformed line can be turned into a reject (with its file and line) instead of killing a Ray read task.
+Every record either becomes a `Record` (normalised roles, a stable id) or a reject dict with a reason
+from `REJECT_REASONS`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+logger = logging.getLogger(__name__)
+
+# Reasons a record can be rejected, with what they mean (the manifest counts them by these keys).
+REJECT_REASONS: dict[str, str] = {
+    "malformed_json": "a JSONL line that does not parse as JSON",
+    "not_an_object": "a record that is not a JSON object / mapping",
+    "missing_field": "none of `conversations`, `messages` or `text`, or a turn without its role/content",
+    "wrong_type": "a field of the wrong type (e.g. a turn's content that is not a string)",
+    "unknown_role": "a turn whose role is not user/assistant/system (e.g. tool, function)",
+    "empty_conversation": "a conversation with no turns",
+    "empty_text": "a `text` record whose text is empty",
+    "no_assistant_turn": "a conversation with no assistant turn after its first user turn",
+    "duplicate_id": "a record whose `id` was already seen in the inputs",
+    "template_error": "the chat template raised on this conversation",
+    "template_not_prefix_stable": "rendering a prefix of the conversation is not a prefix of the whole",
+    "no_loss_tokens": "no assistant token is left (after truncation at --max-length)",
+}
+
+# Role names seen in ShareGPT-style crawls, mapped to chat-template roles.
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+          "system": "system", "developer": "system"}
+
+
+class RejectRecord(Exception):
+    """Raised while normalising one record; carries the reject reason key and a short detail."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        assert reason in REJECT_REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Record:
+    """One usable input record. `messages` is set for chats, `text` for plain text records."""
+
+    sample_id: str
+    source: str  # the input path as given
+    index: int  # 0-based record position in its file (JSONL: line number - 1)
+    messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...)
+    text: str | None = None
+    dropped_leading_assistant: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sample_id": self.sample_id, "source": self.source, "index": self.index,
+                "messages": [list(m) for m in self.messages] if self.messages is not None else None,
+                "text": self.text, "dropped_leading_assistant": self.dropped_leading_assistant}
+
+    @staticmethod
+    def from_json(obj: dict[str, Any]) -> "Record":
+        messages = obj.get("messages")
+        return Record(obj["sample_id"], obj["source"], obj["index"],
+                      tuple((r, c) for r, c in messages) if messages is not None else None,
+                      obj.get("text"), obj.get("dropped_leading_assistant", 0))
+
+
+@dataclass
+class ReadResult:
+    records: list[Record] = field(default_factory=list)
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[dict[str, Any]] = field(default_factory=list)  # {"path", "sha256", "records"}
+
+
+def _content(turn: dict[str, Any], key: str) -> str:
+    value = turn.get(key)
+    if isinstance(value, list):  # OpenAI content parts: keep text parts, refuse anything else
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in value):
+            return "".join(p["text"] for p in value)
+        raise RejectRecord("wrong_type", f"`{key}` is a list with non-text parts")
+    if value is None:
+        raise RejectRecord("missing_field", f"a turn has no `{key}`")
+    if not isinstance(value, str):
+        raise RejectRecord("wrong_type", f"`{key}` is {type(value).__name__}, not a string")
+    return value
+
+
+def normalize_conversation(turns: Any, role_key: str, content_key: str) -> tuple[tuple[tuple[str, str], ...], int]:
+    """Map roles, drop leading assistant turns and trailing non-assistant turns.
+
+    A conversation that opens with the assistant (39% of the ShareGPT crawl: split conversations) has no
+    prompt for that turn; like EAGLE we drop such leading assistant turns. Turns after the last assistant
+    turn carry no loss and no later token attends to them, so they are dropped too.
+    """
+    if not isinstance(turns, list):
+        raise RejectRecord("wrong_type", f"turns are {type(turns).__name__}, not a list")
+    if not turns:
+        raise RejectRecord("empty_conversation", "no turns")
+    messages: list[tuple[str, str]] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise RejectRecord("wrong_type", f"a turn is {type(turn).__name__}, not an object")
+        role = turn.get(role_key)
+        if role is None:
+            raise RejectRecord("missing_field", f"a turn has no `{role_key}`")
+        if not isinstance(role, str):
+            raise RejectRecord("wrong_type", f"`{role_key}` is {type(role).__name__}, not a string")
+        if role.lower() not in _ROLES:
+            raise RejectRecord("unknown_role", f"role {role!r}")
+        messages.append((_ROLES[role.lower()], _content(turn, content_key)))
+    systems = 0
+    while systems < len(messages) and messages[systems][0] == "system":
+        systems += 1
+    dropped = 0
+    while systems + dropped < len(messages) and messages[systems + dropped][0] == "assistant":
+        dropped += 1
+    kept = messages[:systems] + messages[systems + dropped:]
+    last_assistant = max((i for i, (role, _) in enumerate(kept) if role == "assistant"), default=-1)
+    if last_assistant < 0:
+        raise RejectRecord("no_assistant_turn", "no assistant turn after the first user turn")
+    return tuple(kept[:last_assistant + 1]), dropped
+
+
+def normalize_record(obj: Any, *, source: str, index: int, default_id: str) -> Record:
+    """Turn one raw record into a `Record` or raise `RejectRecord`."""
+    if not isinstance(obj, dict):
+        raise RejectRecord("not_an_object", f"record is {type(obj).__name__}")
+    raw_id = obj.get("id")
+    sample_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) else default_id
+    if obj.get("conversations") is not None:
+        messages, dropped = normalize_conversation(obj["conversations"], "from", "value")
+        return Record(sample_id, source, index, messages=messages, dropped_leading_assistant=dropped)
+    if obj.get("messages") is not None:
+        messages, dropped = normalize_conversation(obj["messages"], "role", "content")
+        return Record(sample_id, source, index, messages=messages, dropped_leading_assistant=dropped)
+    if "text" in obj and obj["text"] is not None:
+        if not isinstance(obj["text"], str):
+            raise RejectRecord("wrong_type", f"`text` is {type(obj['text']).__name__}, not a string")
+        if not obj["text"].strip():
+            raise RejectRecord("empty_text", "`text` is empty")
+        return Record(sample_id, source, index, text=obj["text"])
+    raise RejectRecord("missing_field", "no `conversations`, `messages` or `text`")
+
+
+def sha256_path(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (relative names and bytes, in sorted order)."""
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as handle:
+            while chunk := handle.read(8 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _raw_records(path: Path) -> Iterator[tuple[int, Any, str | None, int | None]]:
+    """Yield (index, raw object, parse error or None, line number or None) for every record."""
+    if path.is_dir():
+        import datasets
+        try:
+            data = datasets.load_from_disk(str(path))
+        except Exception as exc:  # noqa: BLE001 - datasets raises several types here
+            raise ValueError(f"--data {path}: not a `datasets` directory made by save_to_disk ({exc})") from None
+        if isinstance(data, datasets.DatasetDict):
+            raise ValueError(f"--data {path}: is a DatasetDict with splits {list(data)}; pass one split "
+                             f"directory, e.g. {path / next(iter(data))}")
+        for i, row in enumerate(data):
+            yield i, row, None, None
+        return
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+        index = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield index, row, None, None
+                index += 1
+        return
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        head = handle.read(4096).lstrip()
+        handle.seek(0)
+        if suffix == ".json" and head.startswith("["):
+            try:
+                data = json.load(handle)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--data {path}: not valid JSON ({exc}); fix the file or convert it to "
+                                 "JSONL, where a bad line is rejected on its own") from None
+            for i, row in enumerate(data):
+                yield i, row, None, None
+            return
+        for i, line in enumerate(handle):
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line), None, i + 1
+            except json.JSONDecodeError as exc:
+                yield i, None, f"line {i + 1}: {exc.msg}", i + 1
+
+
+def check_data_path(path: str) -> Path:
+    """Fail at once, naming the file, if an input cannot be read at all."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"--data {path}: no such file or directory")
+    if p.is_file():
+        if p.suffix.lower() not in (".json", ".jsonl", ".ndjson", ".parquet"):
+            raise ValueError(f"--data {path}: unknown format {p.suffix!r}; use .json, .jsonl, .parquet "
+                             "or a `datasets` save_to_disk directory")
+        if not os.access(p, os.R_OK):
+            raise ValueError(f"--data {path}: not readable")
+    return p
+
+
+def read_inputs(paths: list[str], *, limit: int | None = None) -> ReadResult:
+    """Read every input in order; stop once `limit` usable records are collected."""
+    result = ReadResult()
+    checked = [check_data_path(p) for p in paths]
+    names = [p.name for p in checked]
+    seen_ids: set[str] = set()
+    for given, path in zip(paths, checked):
+        digest = sha256_path(path)
+        # Ids derived from position use the file name, or its hash when two inputs share a name.
+        prefix = path.name if names.count(path.name) == 1 else f"{path.name}@{digest[:8]}"
+        count = 0
+        for index, obj, parse_error, line in _raw_records(path):
+            if limit is not None and len(result.records) >= limit:
+                break
+            count += 1
+            where = {"source": given, "index": index}
+            if line is not None:
+                where["line"] = line
+            try:
+                if parse_error is not None:
+                    raise RejectRecord("malformed_json", parse_error)
+                record = normalize_record(obj, source=given, index=index, default_id=f"{prefix}:{index}")
+                if record.sample_id in seen_ids:
+                    raise RejectRecord("duplicate_id", f"id {record.sample_id!r} seen before")
+            except RejectRecord as reject:
+                result.rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
+                continue
+            seen_ids.add(record.sample_id)
+            result.records.append(record)
+        result.sources.append({"path": given, "sha256": digest, "records": count})
+        logger.info("read %s: %d records", given, count)
+    return result

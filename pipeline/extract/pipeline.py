@@ -1,0 +1,292 @@
+"""The extraction job: read -> tokenize (Ray tasks) -> forward + write whole shards (Ray actor pool).
+
+Determinism and resume: records are read in input order, tokenized, and the surviving samples are cut
+into shards of `samples_per_shard` consecutive samples. That assignment depends only on the inputs and
+settings (all inside the dataset_id), never on Ray scheduling, and each shard's forward batches depend
+only on its samples' lengths. So a rerun after a crash skips committed shards, redoes the rest, and the
+finished store is byte-identical per sample to an uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
+from pipeline.extract.forward import DTYPES, ForwardConfig, normalize_layers, target_fingerprint, weight_files
+from pipeline.extract.inputs import ReadResult, check_data_path, read_inputs
+from pipeline.extract.summary import ExtractSummary
+
+logger = logging.getLogger(__name__)
+
+# Bump when tokenization, loss masks or the forward change what is stored for the same inputs.
+EXTRACT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    model_path: str
+    data: tuple[str, ...]
+    out: str
+    layers: tuple[int, ...] = (-1,)
+    max_length: int = 2048
+    dtype: str = "bfloat16"
+    batch_tokens: int = 16384
+    num_workers: int | None = None  # None: one per GPU, or one CPU actor
+    address: str | None = None  # None: start a local Ray
+    limit: int | None = None
+    overwrite: bool = False
+    trust_remote_code: bool = False
+    samples_per_shard: int = 256
+    tokenize_chunk: int = 512  # records per tokenize task
+
+
+class Progress(Protocol):
+    """What the pipeline reports while it runs; the CLI draws it, library callers may pass None."""
+
+    def start(self, samples: int, tokens: int) -> None: ...
+
+    def advance(self, samples: int, tokens: int) -> None: ...
+
+
+@dataclass
+class Prepared:
+    config: ExtractConfig
+    tokenizer: Any
+    layers: list[int]
+    hidden_size: int
+    read: ReadResult
+    samples: list[dict] = field(default_factory=list)  # tokenized, input order
+    rejects: list[dict] = field(default_factory=list)
+
+
+def _absolute(url: str) -> str:
+    return url if "://" in url else os.path.abspath(url)
+
+
+def prepare(config: ExtractConfig) -> Prepared:
+    """Validate everything that can fail at once (files, model, tokenizer, settings), then read inputs."""
+    if not config.data:
+        raise ValueError("--data: give at least one input file")
+    for path in config.data:
+        check_data_path(path)
+    weight_files(config.model_path)
+    if config.dtype not in DTYPES:
+        raise ValueError(f"--dtype {config.dtype}: use one of {sorted(DTYPES)}")
+    for name in ("max_length", "batch_tokens", "samples_per_shard"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least 1")
+    model_config = json.loads((Path(config.model_path) / "config.json").read_text())
+    text_config = model_config.get("text_config", model_config)
+    layers = normalize_layers(config.layers, int(text_config["num_hidden_layers"]))
+    tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
+    read = read_inputs(list(config.data), limit=config.limit)
+    if any(r.messages is not None for r in read.records) and not isinstance(tokenizer.chat_template, str):
+        raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
+                         "conversations; add a chat_template to tokenizer_config.json")
+    return Prepared(config, tokenizer, layers, int(text_config["hidden_size"]), read)
+
+
+def tokenize_all(prepared: Prepared, *, use_ray: bool) -> None:
+    """Tokenize every record (Ray tasks, or in-process for --dry-run); fills samples and rejects."""
+    from pipeline.extract.actor import tokenize_records
+
+    config, records = prepared.config, prepared.read.records
+    chunks = [records[i:i + config.tokenize_chunk] for i in range(0, len(records), config.tokenize_chunk)]
+    if use_ray and chunks:
+        import ray.data
+
+        from pipeline.extract.actor import tokenize_chunks
+
+        dataset = ray.data.from_items([{"chunk": k, "records": pickle.dumps(c)} for k, c in enumerate(chunks)],
+                                      override_num_blocks=len(chunks))
+        dataset = dataset.map_batches(tokenize_chunks, batch_size=1, num_cpus=1, fn_kwargs={
+            "model_path": _absolute(config.model_path), "trust_remote_code": config.trust_remote_code,
+            "max_length": config.max_length})
+        by_chunk = {int(row["chunk"]): pickle.loads(row["tokenized"]) for row in dataset.iter_rows()}
+        results = [item for k in range(len(chunks)) for item in by_chunk[k]]
+    else:
+        results = tokenize_records(prepared.tokenizer, records, max_length=config.max_length)
+    prepared.samples = [value for kind, value in results if kind == "sample"]
+    prepared.rejects = [value for kind, value in results if kind == "reject"]
+
+
+def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
+    """The facts the dataset_id is computed from (see pipeline.store.store_identity)."""
+    config = prepared.config
+    capture = {"layers": prepared.layers, "dtype": config.dtype, "max_length": config.max_length,
+               "samples_per_shard": config.samples_per_shard, "limit": config.limit,
+               "loss_mask": "assistant_turns", "extract_version": EXTRACT_VERSION}
+    return {"target": target, "tokenizer": tokenizer_fingerprint(config.model_path, prepared.tokenizer),
+            "capture": capture, "source": {"files": prepared.read.sources}}
+
+
+def estimate_store_bytes(prepared: Prepared, tokens: int) -> int:
+    """Hidden states dominate: tokens x layers x d x dtype size, plus ids/mask and the head."""
+    element = DTYPES[prepared.config.dtype].itemsize
+    vocab = len(prepared.tokenizer)
+    return tokens * (len(prepared.layers) * prepared.hidden_size * element + 5) + 2 * vocab * prepared.hidden_size * element
+
+
+def _sorted_rejects(prepared: Prepared) -> list[dict]:
+    order = {path: i for i, path in enumerate(prepared.config.data)}
+    return sorted(prepared.read.rejects + prepared.rejects, key=lambda r: (order.get(r["source"], 0), r["index"]))
+
+
+def _base_summary(prepared: Prepared, dataset_id: str) -> ExtractSummary:
+    rejects = _sorted_rejects(prepared)
+    return ExtractSummary(
+        dataset_id=dataset_id, samples=len(prepared.samples),
+        tokens=sum(len(s["input_ids"]) for s in prepared.samples),
+        loss_tokens=sum(int(s["loss_mask"].sum()) for s in prepared.samples),
+        rejected_by_reason=dict(sorted(Counter(r["reason"] for r in rejects).items())),
+        truncated=sum(s["truncated"] for s in prepared.samples),
+        dropped_leading_assistant=sum(s["dropped_leading_assistant"] > 0 for s in prepared.samples))
+
+
+def dry_run(config: ExtractConfig) -> ExtractSummary:
+    """Tokenize only: counts and the estimated store size, without Ray or the model."""
+    prepared = prepare(config)
+    tokenize_all(prepared, use_ray=False)
+    summary = _base_summary(prepared, "")
+    summary.dry_run = True
+    summary.store_bytes = estimate_store_bytes(prepared, summary.tokens)
+    return summary
+
+
+def _connect_ray(config: ExtractConfig) -> bool:
+    """Join `--address`, or start a local Ray sized to this machine. Returns True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if config.address:
+        ray.init(address=config.address, logging_level=logging.WARNING)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Logical CPUs >= actors + 1 so that tokenize tasks never wait behind the forward actors.
+        ray.init(num_cpus=max(os.cpu_count() or 1, (config.num_workers or 1) + 1), include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def _quiet_ray_data() -> None:
+    """Ray Data's own progress bars would fight with ours (the CLI's tqdm)."""
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")  # read when ray.data is first imported
+    import ray.data
+    context = ray.data.DataContext.get_current()
+    if context.enable_progress_bars:
+        context.enable_progress_bars = False
+    context.print_on_execution_start = False
+
+
+def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
+                    progress: Progress | None) -> list[dict]:
+    """Run the actor pool over the pending shards; returns their infos as they commit."""
+    import ray
+    import ray.data
+
+    from pipeline.extract.actor import ShardExtractor
+
+    config = prepared.config
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    workers = config.num_workers or max(1, gpus)
+    workers = min(workers, len(shards))
+    threads = None if (gpus or config.address) else max(1, (os.cpu_count() or 1) // workers)
+    forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
+                                   dtype=config.dtype, batch_tokens=config.batch_tokens, threads=threads,
+                                   trust_remote_code=config.trust_remote_code)
+    rows = [{"shard_index": k, "samples": pickle.dumps([{key: s[key] for key in ("sample_id", "input_ids", "loss_mask")}
+                                                         for s in samples])}
+            for k, samples in sorted(shards.items())]
+    dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
+    resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    dataset = dataset.map_batches(ShardExtractor, batch_size=1, **resources,
+                                  compute=ray.data.ActorPoolStrategy(size=workers),
+                                  fn_constructor_kwargs={"config": forward_config, "store_url": url})
+    logger.info("forward: %d shards on %d %s actor(s)", len(rows), workers, "GPU" if gpus else "CPU")
+    infos = []
+    for row in dataset.iter_rows():
+        info = json.loads(row["info"])
+        infos.append(info)
+        if progress is not None:
+            progress.advance(info["samples"], info["tokens"])
+    return infos
+
+
+def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> ExtractSummary:
+    """The whole job; resumable by rerunning the same command."""
+    from pipeline.store import (begin_store, commit_manifest, committed_shards, compute_dataset_id, open_store,
+                                store_identity, write_head, write_rejects)
+
+    started = time.perf_counter()
+    prepared = prepare(config)
+    url = _absolute(config.out)
+    facts = identity(prepared, target_fingerprint(config.model_path, config.dtype))
+    dataset_id = compute_dataset_id(store_identity(**facts))
+    state = begin_store(url, dataset_id, overwrite=config.overwrite)
+    if state == "complete":
+        store = open_store(url)
+        counts = store.manifest["counts"]
+        logger.info("%s is already a complete store of these inputs; nothing to do", url)
+        return ExtractSummary(dataset_id=dataset_id, samples=counts["samples"], tokens=counts["tokens"],
+                              loss_tokens=counts["loss_tokens"], rejected_by_reason=counts["rejected_by_reason"],
+                              shards=len(store.manifest["shards"]), shards_resumed=len(store.manifest["shards"]),
+                              store_bytes=_store_bytes(url), state="complete",
+                              seconds=time.perf_counter() - started)
+    owned = _connect_ray(config)
+    _quiet_ray_data()
+    try:
+        tokenize_all(prepared, use_ray=True)
+        summary = _base_summary(prepared, dataset_id)
+        if not prepared.samples:
+            raise ValueError(f"all {summary.rejected} records were rejected ({summary.rejected_by_reason}); "
+                             "nothing to extract; check the input format and --max-length")
+        size = config.samples_per_shard
+        shards = {k // size: prepared.samples[k:k + size] for k in range(0, len(prepared.samples), size)}
+        done = {k: info for k, info in committed_shards(url).items() if k in shards}
+        pending = {k: samples for k, samples in shards.items() if k not in done}
+        if done:
+            logger.info("resuming %s: %d of %d shards already committed", url, len(done), len(shards))
+        if progress is not None:
+            progress.start(summary.samples, summary.tokens)
+            progress.advance(sum(i["samples"] for i in done.values()), sum(i["tokens"] for i in done.values()))
+        forward_started = time.perf_counter()
+        infos = _forward_shards(prepared, pending, url, progress) if pending else []
+        summary.forward_seconds = time.perf_counter() - forward_started
+        summary.forward_tokens = sum(i["tokens"] for i in infos)
+        from pipeline.store import format as fmt
+        fs, root = fmt.open_fs(url)
+        if not fs.exists(fmt.join(root, fmt.HEAD)):  # every shard was committed before a crash
+            from pipeline.extract.forward import TargetForward
+            write_head(url, **TargetForward(ForwardConfig(config.model_path, tuple(prepared.layers),
+                                                          config.dtype, device="cpu")).head())
+        rejects = _sorted_rejects(prepared)
+        if rejects:
+            write_rejects(url, rejects)
+        extra = {"extract": {"version": EXTRACT_VERSION, "truncated": summary.truncated,
+                             "dropped_leading_assistant": summary.dropped_leading_assistant,
+                             "loss_mask_method": "generation_markers" if has_generation_markers(prepared.tokenizer)
+                             else "prefix_diff", "batch_tokens": config.batch_tokens}}
+        commit_manifest(url, dataset_id=dataset_id, **facts, shards=list(done.values()) + infos,
+                        rejected=summary.rejected_by_reason, extra=extra)
+    finally:
+        if owned:
+            import ray
+            ray.shutdown()
+    summary.shards, summary.shards_resumed, summary.state = len(shards), len(done), state
+    summary.store_bytes = _store_bytes(url)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _store_bytes(url: str) -> int:
+    from pipeline.store import format as fmt
+    fs, root = fmt.open_fs(url)
+    return int(sum(fs.du(root, total=False).values()))

@@ -1,0 +1,56 @@
+"""What an extraction did, as numbers and as the lines the CLI prints."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ExtractSummary:
+    dataset_id: str
+    samples: int
+    tokens: int
+    loss_tokens: int
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    dropped_leading_assistant: int = 0
+    shards: int = 0
+    shards_resumed: int = 0  # committed by an earlier, interrupted run and kept
+    forward_tokens: int = 0  # tokens forwarded in this run
+    forward_seconds: float = 0.0  # wall time of the forward stage in this run
+    seconds: float = 0.0
+    store_bytes: int = 0
+    state: str = "new"  # new | resume | complete (nothing left to do)
+    dry_run: bool = False
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejected_by_reason.values())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.forward_tokens / self.forward_seconds if self.forward_seconds > 0 else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.store_bytes / self.tokens if self.tokens else 0.0
+
+    def lines(self) -> list[str]:
+        size = f"{self.store_bytes / 2**20:,.1f} MiB"
+        lines = [
+            f"{'dry run' if self.dry_run else 'store'} {self.dataset_id[:16]}…" if self.dataset_id else "dry run",
+            f"  samples      {self.samples:,} ({self.truncated:,} truncated, "
+            f"{self.dropped_leading_assistant:,} with a leading assistant turn dropped)",
+            f"  rejected     {self.rejected:,}" + "".join(
+                f"\n    {reason:<28}{count:,}" for reason, count in sorted(self.rejected_by_reason.items())),
+            f"  tokens       {self.tokens:,} ({self.loss_tokens:,} loss tokens)",
+        ]
+        if self.dry_run:
+            lines.append(f"  est. size    {size} ({self.bytes_per_token:,.0f} bytes/token)")
+            return lines
+        lines += [
+            f"  shards       {self.shards:,} ({self.shards_resumed:,} kept from an earlier run)",
+            f"  speed        {self.tokens_per_second:,.0f} tokens/s over {self.forward_tokens:,} tokens "
+            f"forwarded in {self.forward_seconds:,.1f}s (total {self.seconds:,.1f}s)",
+            f"  store size   {size} ({self.bytes_per_token:,.0f} bytes/token)",
+        ]
+        return lines
