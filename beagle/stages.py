@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from beagle.data import Batch
 from beagle.losses import LossResult, beta_weights, drafter_loss
@@ -25,6 +26,7 @@ class StageSettings:
     regression_weight: float
     vocab_chunk: int
     detach_feedback: bool = False
+    recompute: bool = True      # activation checkpointing per stage-2 step (flat memory)
 
 
 def _row_weights(batch: Batch, offset: int, window_size: int) -> Tensor:
@@ -68,44 +70,80 @@ def stage1_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
                         chunk_size=settings.vocab_chunk)
 
 
-def stage2_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
-                generator: torch.Generator | None = None) -> LossResult:
+def simulate(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
+             generator: torch.Generator | None = None) -> list[tuple[int, Tensor, Tensor]]:
     """Training-time simulation: step j computes only the queries at depth j. They see true keys of
-    earlier windows plus the drafter's own predictions for depths 1..j-1 of their window."""
+    earlier windows plus the drafter's own predictions for depths 1..j-1 of their window.
+
+    With `settings.recompute` each step's block runs under activation checkpointing: autograd then
+    keeps only the step's inputs (shared key banks, no copies) and outputs, and the peak memory stays
+    flat in the number of steps instead of growing with the queries trained.
+    Returns [(step, query positions [Lq], draft states [B, Lq, d])] for steps 1..s."""
     B, L, d = batch.hidden.shape
     dev = batch.hidden.device
     k_size = settings.window_size
     k_true, v_true, _ = noisy_keys(model, batch, settings.noise_std, generator)
     key_valid = torch.arange(L, device=dev)[None, :] < batch.lengths[:, None]   # [B, L]
-    weight_all = _row_weights(batch, offset, k_size)                           # [B, L]
-    pred_k: list[Tensor] = []
-    pred_v: list[Tensor] = []
+    bank: list[Tensor] = []            # predicted keys then values, per earlier step
     pred_pos: list[Tensor] = []
-    rows_hidden, rows_target, rows_weight, rows_depth = [], [], [], []
+    out = []
     for step in range(1, settings.simulation_steps + 1):
         q_pos = depth_positions(L, k_size, offset, step, dev)                  # [Lq]
         if q_pos.numel() == 0:
             continue
-        Lq = q_pos.numel()
-        predicted = torch.cat(pred_pos) if pred_pos else q_pos[:0]             # [Lp]
-        mask = stage2_mask(q_pos, L, predicted, k_size, offset)[None, None]    # [1, 1, Lq, L + Lp]
-        valid = torch.cat([key_valid, key_valid[:, predicted]], dim=1)         # [B, L + Lp]
-        mask = mask & valid[:, None, None, :]
-        k = torch.cat([k_true, *pred_k], dim=2)                                # [B, H_kv, L + Lp, hd]
-        v = torch.cat([v_true, *pred_v], dim=2)
-        q_positions = q_pos.expand(B, Lq)
-        hidden = model.forward_hidden(batch.input_ids[:, q_pos], q_positions, k, v, mask)  # [B, Lq, d]
-        if step < settings.simulation_steps:
-            fed_back = hidden.detach() if settings.detach_feedback else hidden
-            kp, vp = model.project_keys(fed_back, q_positions)                 # [B, H_kv, Lq, hd]
-            pred_k.append(kp)
-            pred_v.append(vp)
+        feed_back = step < settings.simulation_steps
+        run = _SimulationStep(model, settings, offset, q_pos, pred_pos, key_valid, L, feed_back)
+        if settings.recompute and torch.is_grad_enabled():
+            results = checkpoint(run, batch.input_ids, k_true, v_true, *bank, use_reentrant=False)
+        else:
+            results = run(batch.input_ids, k_true, v_true, *bank)
+        hidden = results[0]                                                    # [B, Lq, d]
+        if feed_back:
+            bank = [*bank[:len(pred_pos)], results[1], *bank[len(pred_pos):], results[2]]
             pred_pos.append(q_pos)
-        rows_hidden.append(hidden.reshape(B * Lq, d))
-        rows_target.append(batch.hidden[:, q_pos].reshape(B * Lq, d))
-        rows_weight.append(weight_all[:, q_pos].reshape(-1))
-        rows_depth.append(torch.full((B * Lq,), step, device=dev, dtype=torch.long))
-    return drafter_loss(torch.cat(rows_hidden), torch.cat(rows_target), torch.cat(rows_weight),
-                        torch.cat(rows_depth), model.lm_head, num_depths=k_size,
+        out.append((step, q_pos, hidden))
+    return out
+
+
+class _SimulationStep:
+    """One stage-2 step as a pure function of tensors, so it can be recomputed in backward."""
+
+    def __init__(self, model: BeagleDrafter, settings: StageSettings, offset: int, q_pos: Tensor,
+                 pred_pos: list[Tensor], key_valid: Tensor, length: int, feed_back: bool) -> None:
+        self.model, self.settings, self.offset, self.q_pos = model, settings, offset, q_pos
+        self.pred_pos, self.key_valid, self.length, self.feed_back = list(pred_pos), key_valid, length, feed_back
+
+    def __call__(self, input_ids: Tensor, k_true: Tensor, v_true: Tensor, *bank: Tensor) -> tuple[Tensor, ...]:
+        n = len(self.pred_pos)
+        B, Lq = input_ids.shape[0], self.q_pos.numel()
+        predicted = torch.cat(self.pred_pos) if n else self.q_pos[:0]                      # [Lp]
+        mask = stage2_mask(self.q_pos, self.length, predicted, self.settings.window_size,
+                           self.offset)[None, None]                                         # [1, 1, Lq, L + Lp]
+        valid = torch.cat([self.key_valid, self.key_valid[:, predicted]], dim=1)           # [B, L + Lp]
+        mask = mask & valid[:, None, None, :]
+        k = torch.cat([k_true, *bank[:n]], dim=2)                                          # [B, H_kv, L + Lp, hd]
+        v = torch.cat([v_true, *bank[n:]], dim=2)
+        q_positions = self.q_pos.expand(B, Lq)
+        hidden = self.model.forward_hidden(input_ids[:, self.q_pos], q_positions, k, v, mask)  # [B, Lq, d]
+        if not self.feed_back:
+            return (hidden,)
+        fed_back = hidden.detach() if self.settings.detach_feedback else hidden
+        kp, vp = self.model.project_keys(fed_back, q_positions)                            # [B, H_kv, Lq, hd]
+        return hidden, kp, vp
+
+
+def stage2_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
+                generator: torch.Generator | None = None) -> LossResult:
+    """Stage-2 loss: each simulated depth's mean loss weighted by its normalised β_j."""
+    B, L, d = batch.hidden.shape
+    weight_all = _row_weights(batch, offset, settings.window_size)             # [B, L]
+    steps = simulate(model, batch, offset, settings, generator)
+    rows_hidden = torch.cat([h.reshape(-1, d) for _, _, h in steps])
+    rows_target = torch.cat([batch.hidden[:, q].reshape(-1, d) for _, q, _ in steps])
+    rows_weight = torch.cat([weight_all[:, q].reshape(-1) for _, q, _ in steps])
+    rows_depth = torch.cat([torch.full((B * q.numel(),), j, device=q.device, dtype=torch.long)
+                            for j, q, _ in steps])
+    return drafter_loss(rows_hidden, rows_target, rows_weight, rows_depth, model.lm_head,
+                        num_depths=settings.window_size,
                         depth_weights=beta_weights(settings.simulation_steps),
                         regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)
