@@ -9,7 +9,7 @@ Layout of the cache folder (default `.cache/demo` in the repository, or `$BEAGLE
 
 Every run builds into a sibling `<cache>.incomplete-*` folder and renames it into place, so an interrupted
 run never leaves a half cache behind. A component whose inputs and settings are unchanged is moved over
-from the previous cache rather than rebuilt; when nothing changed the run does nothing at all.
+(hard-linked) from the previous cache rather than rebuilt; when nothing changed the run does nothing at all.
 """
 from __future__ import annotations
 
@@ -153,7 +153,9 @@ def prepare_demo(config: PrepareConfig, *, progress: Progress | None = None,
                     record = _BUILDERS[name](new_cache, located[name], config, progress)
                     record["seconds"] = round(time.perf_counter() - started, 1)
                 else:
-                    os.rename(cache.root / _COMPONENT_DIRS[name], staging / _COMPONENT_DIRS[name])
+                    # Hard links: no copy, and the old cache stays whole until the swap.
+                    shutil.copytree(cache.root / _COMPONENT_DIRS[name], staging / _COMPONENT_DIRS[name],
+                                    copy_function=_link_or_copy)
                     record = old_components[name]
                 components[name] = {"key": wanted[name], **{k: v for k, v in record.items() if k != "key"}}
             manifest = {"format": CACHE_FORMAT,
@@ -266,6 +268,13 @@ def _build_mtbench(cache: DemoCache, source: packages.LocatedFile, config: Prepa
     progress.finish(f"mt-bench: {len(questions)} questions -> {record['path']}")
     record.update(questions=len(questions))
     return record
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 def _umask() -> int:

@@ -7,6 +7,7 @@ completed: everything before it is intact, the partial tail is counted and dropp
 """
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -156,27 +157,18 @@ def _skip_whitespace(text: str, position: int) -> int:
 class _Utf8Chunks:
     """Reads text in chunks from a binary file without splitting a UTF-8 character between chunks."""
 
-    def __init__(self, raw, chunk_chars: int, on_bytes: Callable[[int], None] | None) -> None:
-        self._raw, self._chunk, self._on_bytes, self._pending = raw, chunk_chars, on_bytes, b""
+    def __init__(self, raw, chunk_bytes: int, on_bytes: Callable[[int], None] | None) -> None:
+        self._raw, self._chunk, self._on_bytes = raw, chunk_bytes, on_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
 
     def read(self, size: int | None = None) -> str:
-        data = self._raw.read(size or self._chunk)
-        if self._on_bytes is not None and data:
-            self._on_bytes(len(data))
-        data, self._pending = self._pending + data, b""
-        if not data:
-            return ""
-        # Hold back an incomplete multi-byte sequence at the end (at most 3 bytes).
-        cut = len(data)
-        for back in range(1, min(4, len(data)) + 1):
-            byte = data[-back]
-            if byte & 0b1100_0000 == 0b1000_0000:
-                continue  # continuation byte: look further back for the lead byte
-            needed = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
-            if needed > back:
-                cut = len(data) - back
-            break
-        data, self._pending = data[:cut], data[cut:]
-        if not data:
-            return self.read(size)
-        return data.decode("utf-8")
+        """At least one character, or "" at end of file (a character cut by the end of file is dropped)."""
+        while True:
+            data = self._raw.read(size or self._chunk)
+            if not data:
+                return ""
+            if self._on_bytes is not None:
+                self._on_bytes(len(data))
+            text = self._decoder.decode(data)
+            if text:
+                return text
