@@ -235,3 +235,24 @@ def test_info_json_cli(tmp_path):
     assert "bytes/token" in plain and manifest["dataset_id"] in plain
     missing = subprocess.run([*CLI, "info", str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode != 0 and "not a feature store" in missing.stderr
+
+
+def test_fp8_store_halves_the_bytes_and_stays_close(tmp_path):
+    samples = make_samples(12, torch.bfloat16)
+    for sample in samples:
+        sample["hidden_states"][..., 0] = 59.0  # an outlier dimension, as real states have
+    build(str(tmp_path / "bf16"), samples, "bfloat16")
+    build(str(tmp_path / "fp8"), samples, "float8_e4m3")
+    fp8_store, bf16_store = open_store(str(tmp_path / "fp8")), open_store(str(tmp_path / "bf16"))
+    for index in range(len(samples)):
+        got, want = fp8_store[index]["hidden_states"], samples[index]["hidden_states"].float()
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        relative = ((got - want).norm() / want.norm()).item()
+        assert relative < 0.04, relative
+        assert torch.equal(fp8_store[index]["input_ids"], bf16_store[index]["input_ids"])
+    state_bytes = {name: sum(f["bytes"] for s in json.loads((tmp_path / name / "manifest.json").read_text())["shards"]
+                             for path, f in s["files"].items() if "hidden_states" in path and "/c/" in path)
+                   for name in ("bf16", "fp8")}
+    # d=24 here, so the 4-byte per-token scale is a visible share; at d=576 it is under 1%.
+    assert state_bytes["fp8"] / state_bytes["bf16"] < (HIDDEN + 4) / (2 * HIDDEN) + 0.02
+    assert verify_store(str(tmp_path / "fp8")).ok

@@ -57,7 +57,7 @@ def info(store: str, as_json: bool) -> None:
         return
     tokens = max(1, facts["num_tokens"])
     raw = facts["num_tokens"] * len(facts["layers"]) * facts["hidden_size"] * \
-        {"bfloat16": 2, "float16": 2, "float32": 4}[facts["dtype"]]
+        {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 2}[facts["dtype"]]
     rows = [
         ("store", store),
         ("dataset_id", facts["dataset_id"]),
@@ -72,7 +72,7 @@ def info(store: str, as_json: bool) -> None:
                                                       if facts["num_rejected"] else "")),
         ("shards", len(facts["shards"])),
         ("size", f"{_human_bytes(facts['store_bytes'])} ({facts['store_bytes'] / tokens:,.0f} bytes/token, "
-                 f"{facts['store_bytes'] / max(1, raw):.3f} x raw)"),
+                 f"{facts['store_bytes'] / max(1, raw):.3f} x raw {'bf16' if facts['dtype'] == 'float8_e4m3' else ''})"),
     ]
     width = max(len(key) for key, _ in rows)
     for key, value in rows:

@@ -43,7 +43,14 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype("<u2"),
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
+    "float8_e4m3": np.dtype("u1"),  # e4m3fn codes; a float32 scale per token lives beside (see fp8.py)
 }
+LOSSY_DTYPES = {"float8_e4m3"}
+
+
+def scale_array_name(layer: int) -> str:
+    """Zarr array name of the per-token scales of an fp8 layer."""
+    return hidden_array_name(layer) + "_scale"
 
 
 def storage_dtype(logical: str) -> np.dtype:
@@ -60,6 +67,8 @@ def to_storage_array(values: Any, logical: str) -> np.ndarray:
     torch tensors are handled by duck typing so this module never imports torch.
     bf16 tensors become their uint16 bit pattern (bit-exact); numpy input for bf16 must already be uint16.
     """
+    if logical in LOSSY_DTYPES:
+        raise StoreFormatError(f"{logical} states are encoded with their scales by the writer, not here")
     if hasattr(values, "detach"):  # a torch tensor
         values = values.detach().cpu().contiguous()
         if str(values.dtype) == "torch.bfloat16":

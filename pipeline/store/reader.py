@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.store import format as fmt
+from pipeline.store import fp8
 from pipeline.store.errors import StoreError, StoreFormatError, StoreNotFoundError
 from pipeline.store.zarr_io import map_hidden_array, zarr_store
 
@@ -71,6 +72,15 @@ class _Shard:
             arrays.append(mapped)
         return arrays
 
+    @cached_property
+    def scales(self) -> list[np.ndarray]:
+        """fp8 stores only: per layer, the per-token scales [tokens] float32 (read whole, 4 bytes/token)."""
+        import zarr
+
+        zstore = zarr_store(self._store.fs, self.directory, read_only=True)
+        return [np.asarray(zarr.open_array(zstore, path=fmt.scale_array_name(layer), mode="r")[:])
+                for layer in self._store.layers]
+
     def sample_numpy(self, row: int) -> dict[str, Any]:
         table = self.table
         start, end = table["list_offsets"][row], table["list_offsets"][row + 1]
@@ -78,6 +88,8 @@ class _Shard:
         first = int(table["token_offset"][row])
         length = int(table["length"][row])
         hidden = [array[first:first + length] for array in self.hidden]  # [L, d] views (memmap) or reads
+        if self._store.dtype in fmt.LOSSY_DTYPES:
+            hidden = [fp8.decode(codes, scales[first:first + length]) for codes, scales in zip(hidden, self.scales)]
         return {
             "sample_id": table["sample_id"][row],
             "input_ids": table["input_ids"][start:end],
@@ -157,7 +169,7 @@ class FeatureStore:
 
     def get_numpy(self, index: int) -> dict[str, Any]:
         """One sample without torch: hidden states as a list (one per layer) of [L, d] storage arrays
-        (uint16 bit patterns for bfloat16; see `dtype`)."""
+        (uint16 bit patterns for bfloat16; float32 decoded values for float8_e4m3; see `dtype`)."""
         shard, row = self._locate(index)
         return shard.sample_numpy(row)
 

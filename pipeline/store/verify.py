@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.store import format as fmt
+from pipeline.store import fp8
 from pipeline.store.errors import StoreError
 from pipeline.store.reader import FeatureStore
 from pipeline.store.writer import store_identity
@@ -106,6 +107,8 @@ def _check_shard_content(store: FeatureStore, shard, where: str, report: VerifyR
             block = np.asarray(array[start:start + step])
             if store.dtype == "bfloat16":
                 bad = np.count_nonzero((block & _BF16_EXPONENT) == _BF16_EXPONENT)
+            elif store.dtype in fmt.LOSSY_DTYPES:
+                bad = fp8.non_finite_count(block)
             else:
                 bad = block.size - np.count_nonzero(np.isfinite(block))
             if bad:

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.store import fp8
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
-from pipeline.store.zarr_io import write_hidden_array, zarr_store
+from pipeline.store.zarr_io import write_hidden_array, write_scale_array, zarr_store
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
             writer.write_table(table)
     store = zarr_store(fs, build_dir, read_only=False)
     for layer, values in zip(layers, hidden_by_layer):
+        if dtype in fmt.LOSSY_DTYPES:
+            values, scales = values
+            write_scale_array(store, fmt.scale_array_name(layer), scales, layer=layer)
         write_hidden_array(store, fmt.hidden_array_name(layer), values, logical_dtype=dtype, layer=layer,
                            compression=compression)
 
@@ -147,14 +151,18 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
 def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtype: str,
                     where: str) -> tuple[pa.Table, list[np.ndarray], dict]:
     """Validate samples and lay them out: one Arrow table and one [tokens, d] array per layer."""
-    ids, lengths, offsets, input_ids, loss_masks, hidden = [], [], [], [], [], []
+    ids, lengths, offsets, input_ids, loss_masks, hidden, scales = [], [], [], [], [], [], []
     offset = 0
     width = None
     for position, sample in enumerate(samples):
         label = f"{where} sample {position} ({sample.get('sample_id')!r})"
         tokens = np.asarray(_to_numpy(sample["input_ids"])).astype(np.int64, copy=False)
         mask = np.asarray(_to_numpy(sample["loss_mask"])).astype(np.uint8, copy=False)
-        states = fmt.to_storage_array(sample["hidden_states"], dtype)
+        if dtype in fmt.LOSSY_DTYPES:
+            states, token_scales = fp8.encode(sample["hidden_states"])  # [n_layers, L, d] u8, [n_layers, L]
+            scales.append(token_scales)
+        else:
+            states = fmt.to_storage_array(sample["hidden_states"], dtype)
         if tokens.ndim != 1 or mask.shape != tokens.shape:
             raise StoreFormatError(f"{label}: input_ids and loss_mask must be 1-D of equal length, got "
                                    f"{tokens.shape} and {mask.shape}")
@@ -181,7 +189,9 @@ def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtyp
         _list_array(input_ids, pa.int32()),
         _list_array(loss_masks, pa.uint8()),
     ], schema=SAMPLES_SCHEMA)
-    per_layer = [np.concatenate([states[i] for states in hidden], axis=0) for i in range(len(layers))]
+    per_layer: list[Any] = [np.concatenate([states[i] for states in hidden], axis=0) for i in range(len(layers))]
+    if dtype in fmt.LOSSY_DTYPES:
+        per_layer = [(codes, np.concatenate([s[i] for s in scales])) for i, codes in enumerate(per_layer)]
     counts = {"samples": len(ids), "tokens": int(offset),
               "loss_tokens": int(sum(int(m.sum()) for m in loss_masks)), "hidden_size": int(width)}
     return table, per_layer, counts

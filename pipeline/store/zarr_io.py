@@ -66,6 +66,15 @@ def write_hidden_array(store: Any, name: str, values: np.ndarray, *, logical_dty
     array[:] = values
 
 
+def write_scale_array(store: Any, name: str, scales: np.ndarray, *, layer: int) -> None:
+    """Per-token float32 scales [tokens] of an fp8 layer (small: read whole by the reader)."""
+    array = zarr.create_array(store=store, name=name, shape=scales.shape, dtype=np.float32,
+                              chunks=(max(1, min(len(scales), 1 << 16)),), compressors=None, fill_value=0.0,
+                              config={"write_empty_chunks": True}, attributes={"layer": layer},
+                              dimension_names=("token",))
+    array[:] = scales.astype(np.float32)
+
+
 def _compressor(name: str) -> Any:
     from zarr.codecs import ZstdCodec
     if name == "zstd":

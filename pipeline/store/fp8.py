@@ -1,0 +1,47 @@
+"""fp8 (e4m3) hidden states with one float32 scale per token: half the bytes of bf16, lossy.
+
+Stored bits follow the OCP float8 e4m3fn encoding (no infinities; 0x7F/0xFF are NaN). Decoding uses a
+256-entry table, so a reader needs numpy only; encoding rounds with torch, which the producer already has.
+Per-token scales keep each token's largest value at the top of e4m3's range (448), so a few outlier
+dimensions cost precision only within their own token.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+E4M3_MAX = 448.0
+
+
+def _decode_table() -> np.ndarray:
+    codes = np.arange(256, dtype=np.uint32)
+    sign = np.where(codes >> 7, -1.0, 1.0)
+    exponent = ((codes >> 3) & 0xF).astype(np.int32)
+    mantissa = (codes & 0x7).astype(np.float64)
+    values = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6, (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    values = sign * values
+    values[(exponent == 15) & (mantissa == 7)] = np.nan
+    return values.astype(np.float32)
+
+
+DECODE_TABLE = _decode_table()
+
+
+def encode(states: Any) -> tuple[np.ndarray, np.ndarray]:
+    """states [..., L, d] (torch tensor, any float dtype) -> (codes uint8 [..., L, d], scales float32 [..., L])."""
+    import torch
+
+    values = torch.as_tensor(states).detach().cpu().float()
+    scales = values.abs().amax(dim=-1).clamp_min(1e-12) / E4M3_MAX  # [..., L]
+    codes = (values / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes.numpy(), scales.numpy()
+
+
+def decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """codes uint8 [L, d], scales float32 [L] -> float32 [L, d]."""
+    return DECODE_TABLE[np.asarray(codes)] * np.asarray(scales, dtype=np.float32)[:, None]
+
+
+def non_finite_count(codes: np.ndarray) -> int:
+    return int(np.count_nonzero((np.asarray(codes) & 0x7F) == 0x7F))
