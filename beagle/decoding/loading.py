@@ -1,0 +1,60 @@
+"""Load a target model and the drafter trained for it, refusing a drafter that cannot fit the target."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from beagle.export import CONFIG_NAME, load_drafter
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_target(model_path: str | Path, dtype: str, device: torch.device):
+    """The target causal LM and its tokenizer, from a local directory (never the hub at eval time)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'} not found; --model must be a local HF model directory")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+    return model, tokenizer
+
+
+def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.device):
+    """The drafter with the target's own frozen embedding and LM head, after checking it was built for
+    a target of the same width and vocabulary (and warning when the target's config differs)."""
+    drafter_dir = Path(drafter_dir)
+    config_path = drafter_dir / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found; point --drafter at RUN/drafter written by "
+                                "`beagle-pipeline train`")
+    meta = json.loads(config_path.read_text(encoding="utf-8"))
+    target_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    for key, actual in (("hidden_size", embed.shape[1]), ("vocab_size", head.shape[0])):
+        if meta.get(key) is not None and int(meta[key]) != int(actual):
+            raise ValueError(f"drafter {drafter_dir} was trained for {key}={meta[key]} but the target has "
+                             f"{key}={actual}; pass the --model the drafter was trained on")
+    trained_for = (meta.get("target") or {}).get("config_sha256")
+    model_config = Path(getattr(target_config, "_name_or_path", "") or "") / "config.json"
+    if trained_for and model_config.is_file():
+        if hashlib.sha256(model_config.read_bytes()).hexdigest() != trained_for:
+            logger.warning("drafter %s was trained on a target whose config.json differs from %s; "
+                           "acceptance may be poor", drafter_dir, model_config)
+    drafter, _ = load_drafter(drafter_dir, embed_tokens=embed.detach(), lm_head=head.detach(),
+                              device=device, dtype=DTYPES[dtype])
+    return drafter, meta

@@ -1,0 +1,126 @@
+"""`beagle-pipeline eval`: speculative decoding with a trained drafter against plain decoding."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+logger = logging.getLogger(__name__)
+
+
+def _format_depths(values: list[float | None]) -> str:
+    return "  ".join(f"d{depth}={'-' if value is None else f'{value:.2f}'}"
+                     for depth, value in enumerate(values, start=1))
+
+
+def plot_acceptance(per_depth: list[float | None], path: Path, title: str) -> None:
+    """Bar plot of the per-depth acceptance α_j."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = list(range(1, len(per_depth) + 1))
+    values = [0.0 if value is None else value for value in per_depth]
+    figure, axis = plt.subplots(figsize=(5, 3.2))
+    bars = axis.bar(depths, values, color="#4c72b0")
+    for bar, value in zip(bars, per_depth):
+        axis.annotate("n/a" if value is None else f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                      ha="center", va="bottom", fontsize=8)
+    axis.set_xlabel("draft depth j")
+    axis.set_ylabel("acceptance α_j")
+    axis.set_ylim(0, 1.05)
+    axis.set_xticks(depths)
+    axis.set_title(title, fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+@click.command("eval")
+@click.option("--model", "model_path", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Local HF directory of the target causal LM.")
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="RUN/drafter directory written by `beagle-pipeline train`.")
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="MT-Bench question.jsonl, or JSONL with 'prompt' or 'messages'.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--chain/--tree", default=False, show_default=True,
+              help="Top-1 chain of --depth tokens, or the EAGLE-2 dynamic tree.")
+@click.option("--depth", default=5, show_default=True, type=click.IntRange(min=1), help="Drafter steps per round.")
+@click.option("--top-k", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Tree: nodes expanded per depth, children per expanded node.")
+@click.option("--total-tokens", default=60, show_default=True, type=click.IntRange(min=1),
+              help="Tree: drafted tokens the target verifies per round.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="0 = greedy (outputs must match plain decoding); > 0 = speculative sampling.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--limit", default=None, type=click.IntRange(min=1), help="Use only the first N prompts.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the summary here.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
+              help="Write a per-depth acceptance bar plot (PNG).")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Target and drafter dtype. Compare outputs in float32: bf16 is not deterministic enough.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
+@click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (spec §5 variant).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
+             temperature, seed, limit, json_path, plot_path, dtype, device, no_concat, no_progress) -> None:
+    """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
+
+    Prints τ (tokens per target pass), acceptance per depth, tokens/s of both, the speedup and peak
+    memory. With --temperature 0 any output that differs from plain decoding is reported and the
+    command exits with status 1.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from beagle.decoding.evaluation import evaluate_prompts
+    from beagle.decoding.loading import load_drafter_for, load_target, pick_device
+    from beagle.decoding.tree import DraftConfig
+    from beagle.prompts import eos_token_ids, load_prompts
+
+    try:
+        config = (DraftConfig.chain(depth, temperature, not no_concat) if chain else
+                  DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
+                              concatenate=not no_concat))
+        items = load_prompts(prompts_path, limit)
+        torch_device = pick_device(device)
+        torch.manual_seed(seed)
+        model, tokenizer = load_target(model_path, dtype, torch_device)
+        drafter, _ = load_drafter_for(drafter_dir, model, dtype, torch_device)
+    except (ValueError, FileNotFoundError) as error:
+        raise click.UsageError(str(error)) from None
+
+    eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+    if not eos:
+        logger.warning("no EOS id in the tokenizer or generation_config; answers stop at --max-new-tokens")
+    progress = (lambda xs: xs) if no_progress else (lambda xs: tqdm(xs, desc="prompts", unit="prompt"))
+    summary = evaluate_prompts(model, drafter, tokenizer, items, config, max_new_tokens, eos, seed, progress)
+
+    shape = f"chain depth {depth}" if chain else f"tree depth {depth} top-k {top_k} total {total_tokens}"
+    report = summary.to_json()
+    click.echo(f"prompts: {summary.num_prompts}  max new tokens: {max_new_tokens}  draft: {shape}"
+               f"{' no-concat' if no_concat else ''}  temperature: {temperature}  dtype: {dtype}  device: {torch_device}")
+    click.echo(f"acceptance length τ: {summary.acceptance_length:.2f} tokens per target pass")
+    click.echo(f"acceptance per depth: {_format_depths(summary.per_depth_acceptance)}")
+    click.echo(f"tokens/s: baseline {report['tokens_per_second']['baseline']:.1f}  "
+               f"speculative {report['tokens_per_second']['speculative']:.1f}  speedup {summary.speedup:.2f}x")
+    click.echo("peak memory (MiB): " + "  ".join(f"{k} {v:.0f}" for k, v in summary.peak_memory_mb.items()))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if plot_path:
+        plot_acceptance(summary.per_depth_acceptance, Path(plot_path),
+                        f"{Path(drafter_dir).parent.name or drafter_dir}: τ={summary.acceptance_length:.2f}, {shape}")
+    if temperature == 0:
+        if summary.mismatches:
+            for line in summary.mismatches:
+                click.echo(f"MISMATCH {line}", err=True)
+            click.echo(f"{len(summary.mismatches)} answer(s) differ from plain greedy decoding", err=True)
+            sys.exit(1)
+        click.echo("outputs match plain greedy decoding token for token")

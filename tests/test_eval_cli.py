@@ -1,0 +1,115 @@
+"""`beagle-pipeline eval` end to end on a tiny saved target, tokenizer and drafter; prompt files."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from beagle.export import save_drafter
+from beagle.prompts import PromptItem, eos_token_ids, load_prompts, render
+from pipeline.cli import main
+from tests.decoding_helpers import bigram_drafter, chat_tokenizer_dir, random_drafter, tiny_target, write_jsonl
+
+WORDS = 40  # tokenizer vocabulary = WORDS + 6 specials
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    tokenizer = chat_tokenizer_dir(root / "target", words=WORDS)
+    target = tiny_target(vocab_size=len(tokenizer), context_scale=0.15, seed=2)
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    target.save_pretrained(root / "target")
+    save_drafter(root / "run" / "drafter", bigram_drafter(target), metadata={"target": {"name": "tiny"}})
+    prompts = write_jsonl(root / "question.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["w1 w2 w3", "w4 w5"]},
+        {"question_id": 82, "category": "math", "turns": ["w7 w7 w9 w10 w11"]},
+        {"prompt": "w20 w21"},
+        {"messages": [{"role": "system", "content": "w30"}, {"role": "user", "content": "w31 w32"},
+                      {"role": "assistant", "content": "w33"}]},
+    ])
+    return root, prompts, tokenizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [["--chain", "--depth", "4"], ["--tree", "--depth", "4", "--top-k", "3",
+                                                                  "--total-tokens", "10"]])
+def test_eval_greedy_matches_plain_and_writes_json_and_plot(setup, shape):
+    root, prompts, _ = setup
+    out = root / f"out-{shape[0]}"
+    result = CliRunner().invoke(main, [
+        "eval", "--model", str(root / "target"), "--drafter", str(root / "run" / "drafter"),
+        "--prompts", str(prompts), "--max-new-tokens", "24", *shape, "--json", str(out / "eval.json"),
+        "--plot", str(out / "acceptance.png"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "outputs match plain greedy decoding" in result.output
+    report = json.loads((out / "eval.json").read_text())
+    assert report["outputs_match"] is True and report["num_prompts"] == 4 and report["max_new_tokens"] == 24
+    assert len(report["per_depth_acceptance"]) == 4
+    assert report["acceptance_length"] > 1.2  # the bigram drafter is often right about this target
+    assert report["tokens_per_second"]["baseline"] > 0 and report["tokens_per_second"]["speculative"] > 0
+    assert report["speedup"] == pytest.approx(report["tokens_per_second"]["speculative"]
+                                              / report["tokens_per_second"]["baseline"])
+    assert (out / "acceptance.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_eval_sampling_runs_and_limit_applies(setup):
+    root, prompts, _ = setup
+    result = CliRunner().invoke(main, [
+        "eval", "--model", str(root / "target"), "--drafter", str(root / "run" / "drafter"),
+        "--prompts", str(prompts), "--max-new-tokens", "8", "--temperature", "0.7", "--limit", "2",
+        "--depth", "3", "--top-k", "2", "--total-tokens", "4", "--json", str(root / "s.json"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((root / "s.json").read_text())["num_prompts"] == 2
+
+
+def test_eval_refuses_a_drafter_for_another_vocabulary(setup, tmp_path):
+    root, prompts, _ = setup
+    other = tiny_target(vocab_size=80)
+    save_drafter(tmp_path / "drafter", random_drafter(other), metadata={})
+    result = CliRunner().invoke(main, ["eval", "--model", str(root / "target"), "--drafter",
+                                       str(tmp_path / "drafter"), "--prompts", str(prompts), "--no-progress"])
+    assert result.exit_code == 2
+    assert "vocab_size=80" in result.output and "--model" in result.output
+
+
+def test_prompt_formats(setup, tmp_path):
+    root, prompts, tokenizer = setup
+    items = load_prompts(prompts)
+    assert [item.turns for item in items] == [("w1 w2 w3", "w4 w5"), ("w7 w7 w9 w10 w11",), ("w20 w21",),
+                                              ("w31 w32",)]
+    assert items[0].prompt_id == "81"
+    assert items[3].history == ({"role": "system", "content": "w30"},)  # the stored answer was dropped
+    assert len(load_prompts(prompts, limit=2)) == 2
+    ids = render(tokenizer, [{"role": "user", "content": "w1 w2"}])
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<|user|>", "w1", "w2", "<|end|>", "<|assistant|>"]
+    assert eos_token_ids(tokenizer) == {tokenizer.eos_token_id}
+    for bad, message in (({"text": "x"}, "no 'turns'"), ({"turns": []}, "non-empty"),
+                         ({"messages": [{"role": "assistant", "content": "x"}]}, "end with a user")):
+        with pytest.raises(ValueError, match=message):
+            load_prompts(write_jsonl(tmp_path / "bad.jsonl", [bad]))
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="broken.jsonl:1"):
+        load_prompts(tmp_path / "broken.jsonl")
+
+
+def test_multi_turn_carries_each_sides_answer(setup):
+    from beagle.decoding import DraftConfig
+    from beagle.decoding.evaluation import evaluate_prompts
+    from transformers import AutoModelForCausalLM
+
+    root, _, tokenizer = setup
+    target = AutoModelForCausalLM.from_pretrained(root / "target").eval()
+    drafter = bigram_drafter(target)
+    item = PromptItem("q", (), ("w1 w2 w3", "w4 w5"))
+    summary = evaluate_prompts(target, drafter, tokenizer, [item], DraftConfig.chain(3), 6, set(), keep_answers=True)
+    assert not summary.mismatches and [a["turn"] for a in summary.answers] == [1, 2]
+    first_answer = summary.answers[0]["baseline"]
+    second_prompt = render(tokenizer, [{"role": "user", "content": "w1 w2 w3"},
+                                       {"role": "assistant", "content": first_answer},
+                                       {"role": "user", "content": "w4 w5"}])
+    from beagle.decoding import plain_generate
+    expected = plain_generate(target, torch.tensor(second_prompt), 6, set()).tokens
+    assert summary.answers[1]["baseline"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert summary.baseline.tokens == 12 and summary.speculative.tokens == 12
