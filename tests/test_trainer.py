@@ -1,0 +1,148 @@
+"""The trainer end to end on tiny real stores: learning, resume, export, refusals, config, no Ray."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from beagle.data import StoreSet, collate
+from beagle.export import load_drafter
+from beagle.model import BeagleDrafter, DrafterConfig
+from beagle.train_cli import train as train_command
+from beagle.train_config import TrainConfig, load_config_file
+from beagle.trainer import train
+from tests.tiny_store import build_tiny_store
+
+FAST = dict(batch_tokens=160, lr=3e-3, warmup_steps=3, window_size=3, simulation_steps=2,
+            checkpoint_every=4, vocab_chunk=128)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return build_tiny_store(tmp_path_factory.mktemp("store") / "a", num_samples=16)
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_loss_falls_on_a_tiny_store(store, tmp_path):
+    config = TrainConfig(**{**FAST, "stage1_epochs": 16, "stage2_epochs": 0, "max_steps": 40})
+    result = train([store], tmp_path / "run", config, draw_curves=False)
+    losses = _losses(tmp_path / "run")
+    assert result.steps == len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"step", "stage", "loss", "token_loss", "regression_loss", "accuracy", "tokens_per_s",
+            "data_wait_fraction"} <= set(line)
+    assert len(line["accuracy"]) == 3 and 0 <= line["data_wait_fraction"] <= 1
+
+
+@pytest.mark.slow
+def test_resume_matches_an_uninterrupted_run(store, tmp_path):
+    """Both stages; the interrupted run 'crashes' after step 10 with its last checkpoint at step 8."""
+    config = TrainConfig(**{**FAST, "batch_tokens": 80, "stage1_epochs": 1, "stage2_epochs": 1})
+    full = train([store], tmp_path / "full", config, draw_curves=False)
+    assert {json.loads(x)["stage"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()} == {1, 2}
+    part = tmp_path / "part"
+    train([store], part, config.override(max_steps=10), draw_curves=False)
+    shutil.rmtree(part / "checkpoints" / "step-00000010")       # lines 9..10 must be recomputed
+    resumed = train([store], part, config, resume=True, draw_curves=False)
+    assert resumed.steps == full.steps > 12
+    assert _losses(part) == _losses(tmp_path / "full")
+    a = load_file(str(tmp_path / "full" / "drafter" / "model.safetensors"))
+    b = load_file(str(part / "drafter" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_export_reload_gives_identical_logits(store, tmp_path):
+    run = tmp_path / "run"
+    train([store], run, TrainConfig(**{**FAST, "max_steps": 5}))
+    assert (run / "curves.png").stat().st_size > 0
+    meta = json.loads((run / "drafter" / "config.json").read_text())
+    data = StoreSet([store])
+    assert meta["drafter_type"] == "beagle" and meta["dataset_ids"] == data.dataset_ids
+    assert meta["target"]["weights_sha256"] == data.target["weights_sha256"]
+    head = data.load_head()
+    loaded, _ = load_drafter(run / "drafter", embed_tokens=head["embed_tokens"], lm_head=head["lm_head"])
+    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
+    ref = BeagleDrafter(DrafterConfig.from_dict({k: meta[k] for k in DrafterConfig.__dataclass_fields__}),
+                        head["embed_tokens"], head["lm_head"])
+    ref.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    batch = collate([data.sample(0, 100)])
+    L = batch.input_ids.shape[1]
+    pos = torch.arange(L)[None]
+    mask = torch.ones(L, L).tril(-1).bool()[None, None]
+    with torch.no_grad():
+        a = ref.logits(ref.forward_hidden(batch.input_ids, pos, *ref.project_keys(batch.hidden, pos), mask))
+        b = loaded.logits(loaded.forward_hidden(batch.input_ids, pos, *loaded.project_keys(batch.hidden, pos), mask))
+    assert torch.equal(a, b)
+    assert set(load_file(str(run / "drafter" / "model.safetensors"))) == set(ref.state_dict())
+
+
+@pytest.mark.slow
+def test_refuses_mixed_targets_and_resume_on_another_target(store, tmp_path):
+    other = build_tiny_store(tmp_path / "b", num_samples=4, model_seed=1)
+    with pytest.raises(ValueError, match="different targets.*tiny-llama-0.*tiny-llama-1"):
+        train([store, other], tmp_path / "mixed", TrainConfig(**FAST))
+    run = tmp_path / "run"
+    train([store], run, TrainConfig(**{**FAST, "max_steps": 2}), draw_curves=False)
+    with pytest.raises(ValueError, match="differs from the run's target"):
+        train([other], run, TrainConfig(**{**FAST, "max_steps": 4}), resume=True)
+    wide = build_tiny_store(tmp_path / "c", num_samples=4, hidden_size=32, intermediate_size=64)
+    with pytest.raises(ValueError, match="differs"):
+        train([wide], run, TrainConfig(**{**FAST, "max_steps": 4}), resume=True)
+    with pytest.raises(ValueError, match="already holds a run"):
+        train([store], run, TrainConfig(**FAST))
+
+
+def test_config_file_loads_rejects_unknown_keys_and_flags_override(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("window_size = 3\nsimulation_steps = 2\nlr = 0.001\n")
+    config = load_config_file(toml)
+    assert (config.window_size, config.simulation_steps, config.lr) == (3, 2, 0.001)
+    assert config.override(lr=0.5, seed=None).lr == 0.5 and config.override(seed=None).seed == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"window_size": 3, "windowsize": 4}))
+    with pytest.raises(ValueError, match="unknown training option.*windowsize"):
+        load_config_file(bad)
+    with pytest.raises(ValueError, match="simulation_steps=6"):
+        TrainConfig(window_size=5, simulation_steps=6)
+
+
+@pytest.mark.slow
+def test_cli_trains_with_config_file_and_flags(store, tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({**FAST, "max_steps": 50}))
+    result = CliRunner().invoke(train_command, ["--store", store, "--out", str(tmp_path / "run"),
+                                                "--config", str(cfg), "--max-steps", "3", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    run_config = json.loads((tmp_path / "run" / "run_config.json").read_text())
+    assert run_config["config"]["max_steps"] == 3 and run_config["config"]["window_size"] == 3
+    assert run_config["noise_std_relative"] == 0.2 and run_config["noise_std_absolute"] > 0
+    bad = CliRunner().invoke(train_command, ["--store", store, "--out", str(tmp_path / "r2"),
+                                             "--window-size", "2", "--simulation-steps", "3"])
+    assert bad.exit_code == 2 and "simulation_steps=3" in bad.output
+
+
+@pytest.mark.slow
+def test_training_imports_neither_ray_nor_transformers(store, tmp_path):
+    code = (
+        "import sys\n"
+        "from beagle.trainer import train\n"
+        "from beagle.train_cli import train as cli\n"
+        "from beagle.train_config import TrainConfig\n"
+        f"train([{store!r}], {str(tmp_path / 'run')!r}, TrainConfig(max_steps=2, batch_tokens=160))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'transformers'))\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
