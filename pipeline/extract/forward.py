@@ -56,9 +56,10 @@ def weight_files(model_path: str) -> list[Path]:
 def target_fingerprint(model_path: str, dtype: str) -> dict[str, Any]:
     """The manifest's `target`: name, hashes of config and weights (files in name order), architecture."""
     root = Path(model_path)
+    files = weight_files(model_path)
     config = json.loads((root / "config.json").read_text())
     digest = hashlib.sha256()
-    for path in weight_files(model_path):
+    for path in files:
         digest.update(path.name.encode() + b"\0")
         with open(path, "rb") as handle:
             while chunk := handle.read(16 << 20):

@@ -1,0 +1,99 @@
+"""The target forward and the shard actor, without Ray: right states, no padding leak, a readable shard."""
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.extract.actor import ShardExtractor
+from pipeline.extract.forward import ForwardConfig, TargetForward, normalize_layers, plan_batches, target_fingerprint
+from pipeline.store import (begin_store, commit_manifest, committed_shards, compute_dataset_id, open_store,
+                            store_identity)
+from tests.tiny import build_target
+
+LENGTHS = [5, 17, 9, 30, 3, 17]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("target"), template="chatml")
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 320, size=n).astype(np.int32) for n in LENGTHS]
+
+
+def test_batched_equals_one_at_a_time_and_the_lm_head_reads_layer_minus_one(target, sequences):
+    forward = TargetForward(ForwardConfig(str(target), layers=(-1, 0, 1), dtype="float32", batch_tokens=64))
+    batched = forward.hidden_states(sequences)
+    assert len(plan_batches(LENGTHS, 64)) < len(LENGTHS)  # some batches really hold several padded rows
+    with torch.no_grad():
+        for sequence, states in zip(sequences, batched):
+            assert states.shape == (3, len(sequence), 64) and states.dtype == torch.float32
+            alone = forward.forward_batch([sequence])[0]
+            # fp32: a different batch shape changes the matmul blocking, not the values beyond rounding.
+            torch.testing.assert_close(states, alone, atol=1e-5, rtol=1e-5)
+            full = forward.model(torch.as_tensor(sequence, dtype=torch.long)[None], output_hidden_states=True)
+            torch.testing.assert_close(forward.model.lm_head(states[0]), full.logits[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(states[1], full.hidden_states[0][0])
+            torch.testing.assert_close(states[2], full.hidden_states[1][0], atol=1e-6, rtol=1e-6)
+
+
+def test_plan_batches_respects_the_budget_and_covers_every_sample():
+    lengths = [7, 1, 30, 30, 12, 5, 64, 2]
+    plan = plan_batches(lengths, 40)
+    assert sorted(i for batch in plan for i in batch) == list(range(len(lengths)))
+    for batch in plan:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 40
+    assert plan == plan_batches(list(lengths), 40)
+
+
+def test_layers_are_checked_and_canonical():
+    assert normalize_layers([-1, 0, -2], 2) == [-1, 0, 1]
+    assert normalize_layers([2], 2) == [-1]  # hidden_states[n] is the state after the final norm
+    with pytest.raises(ValueError, match="names the same layer twice"):
+        normalize_layers([-1, 2], 2)
+    with pytest.raises(ValueError, match="--layers 5: out of range"):
+        normalize_layers([5], 2)
+
+
+def test_model_directories_without_weights_fail_naming_them(tmp_path, target):
+    with pytest.raises(ValueError, match="not a directory"):
+        target_fingerprint(str(tmp_path / "missing"), "bfloat16")
+    (tmp_path / "config.json").write_text((target / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"--model {tmp_path}: no weight files"):
+        target_fingerprint(str(tmp_path), "bfloat16")
+    fingerprint = target_fingerprint(str(target), "bfloat16")
+    assert fingerprint["architecture"]["num_key_value_heads"] == 2 and fingerprint["architecture"]["head_dim"] == 16
+    assert fingerprint == target_fingerprint(str(target), "bfloat16")
+
+
+def test_shard_actor_works_without_ray_on_a_hand_built_batch(tmp_path, target, sequences):
+    url = str(tmp_path / "store")
+    facts = {"target": target_fingerprint(str(target), "bfloat16"), "tokenizer": {}, "source": {"files": []},
+             "capture": {"layers": [-1], "dtype": "bfloat16", "max_length": 64}}
+    dataset_id = compute_dataset_id(store_identity(**facts))
+    assert begin_store(url, dataset_id) == "new"
+    samples = [{"sample_id": f"s{i}", "input_ids": s, "loss_mask": np.arange(len(s)) % 2 == 1}
+               for i, s in enumerate(sequences)]
+    config = ForwardConfig(str(target), layers=(-1,), dtype="bfloat16", batch_tokens=64)
+    actor = ShardExtractor(config, url)
+    out = actor({"shard_index": np.array([0]), "samples": np.array([pickle.dumps(samples)], dtype=object)})
+    assert out["shard_index"].tolist() == [0] and (tmp_path / "store" / "head.safetensors").exists()
+    info = committed_shards(url)[0]
+    assert info == json.loads(out["info"][0])
+    assert info["samples"] == len(sequences) and info["tokens"] == sum(LENGTHS)
+    commit_manifest(url, dataset_id=dataset_id, **facts, shards=[info], rejected={})
+    store = open_store(url)
+    expected = TargetForward(config).hidden_states(sequences)
+    for i, sample in enumerate(samples):
+        item = store[i]
+        assert item["sample_id"] == sample["sample_id"]
+        assert item["input_ids"].tolist() == sample["input_ids"].tolist()
+        assert item["loss_mask"].tolist() == sample["loss_mask"].tolist()
+        assert torch.equal(item["hidden_states"].view(torch.int16), expected[i].view(torch.int16))  # bit-exact
+    head = store.load_head()
+    assert torch.equal(head["lm_head"], actor.forward.model.lm_head.weight.detach())

@@ -1,0 +1,111 @@
+"""Reading inputs: every format gives the same records; every bad record becomes a reject with a reason."""
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.extract.inputs import REJECT_REASONS, read_inputs
+
+CHATS = [
+    {"id": "s1", "conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]},
+    {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "gpt", "value": "leading"},
+                       {"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris."},
+                       {"from": "human", "value": "trailing question"}]},
+    {"id": 7, "messages": [{"role": "user", "content": [{"type": "text", "text": "Write "},
+                                                        {"type": "text", "text": "a poem"}]},
+                           {"role": "assistant", "content": "The sea."}]},
+    {"text": "The quick brown fox."},
+]
+EXPECTED = [
+    ("s1", (("user", "Hello"), ("assistant", "Hi!")), None, 0),
+    (None, (("system", "Be brief."), ("user", "Capital of France?"), ("assistant", "Paris.")), None, 1),
+    ("7", (("user", "Write a poem"), ("assistant", "The sea.")), None, 0),
+    (None, None, "The quick brown fox.", 0),
+]
+
+
+def _write(tmp_path, kind):
+    if kind == "jsonl":
+        path = tmp_path / "chats.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    elif kind == "json":
+        path = tmp_path / "chats.json"
+        path.write_text(json.dumps(CHATS))
+    elif kind == "parquet":
+        path = tmp_path / "chats.parquet"
+        rows = [{"id": str(r.get("id")) if "id" in r else None, "conversations": r.get("conversations"),
+                 "messages": [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                               else "".join(p["text"] for p in m["content"])} for m in r["messages"]]
+                 if "messages" in r else None, "text": r.get("text")} for r in CHATS]
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        import datasets
+        path = tmp_path / "chats_ds"
+        rows = [{"id": str(r.get("id")) if "id" in r else None, "conversations": r.get("conversations"),
+                 "text": r.get("text")} for r in CHATS]
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "datasets"])
+def test_every_format_reads_the_same_records(tmp_path, kind):
+    path = _write(tmp_path, kind)
+    result = read_inputs([str(path)])
+    assert result.rejects == [] or kind == "datasets" and [r["reason"] for r in result.rejects] == ["missing_field"]
+    expected = [e for e in EXPECTED if not (kind == "datasets" and e[0] == "7")]  # no `messages` column there
+    assert len(result.records) == len(expected)
+    for record, (sample_id, messages, text, dropped) in zip(result.records, expected):
+        assert record.sample_id == (sample_id or f"{path.name}:{record.index}")
+        assert record.messages == messages and record.text == text
+        assert record.dropped_leading_assistant == dropped
+    assert result.sources[0]["records"] == len(CHATS) and len(result.sources[0]["sha256"]) == 64
+
+
+BAD_LINES = {
+    "malformed_json": '{"conversations": [',
+    "not_an_object": '[1, 2]',
+    "missing_field": '{"title": "no conversation here"}',
+    "wrong_type": '{"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "x"}]}',
+    "unknown_role": '{"conversations": [{"from": "tool", "value": "x"}, {"from": "gpt", "value": "y"}]}',
+    "empty_conversation": '{"conversations": []}',
+    "empty_text": '{"text": "   "}',
+    "no_assistant_turn": '{"conversations": [{"from": "gpt", "value": "only a leading reply"}, {"from": "human", "value": "q"}]}',
+    "duplicate_id": '{"id": "s1", "text": "again"}',
+}
+
+
+def test_every_read_reject_reason_is_recorded_with_file_and_line(tmp_path):
+    path = tmp_path / "crawl.jsonl"
+    lines = ['{"id": "s1", "text": "first"}'] + list(BAD_LINES.values()) + ["", '{"text": "last"}']
+    path.write_text("\n".join(lines) + "\n")
+    result = read_inputs([str(path)])
+    assert [r.sample_id for r in result.records] == ["s1", f"crawl.jsonl:{len(lines) - 1}"]
+    assert [r["reason"] for r in result.rejects] == list(BAD_LINES)
+    for number, reject in enumerate(result.rejects, start=2):
+        assert reject["source"] == str(path) and reject["line"] == number and reject["index"] == number - 1
+        assert reject["reason"] in REJECT_REASONS
+    assert result.sources[0]["records"] == len(lines) - 1  # the blank line is not a record
+
+
+def test_limit_and_derived_ids_are_stable_across_files(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder, text in (("a", "one"), ("b", "two")):
+        (tmp_path / folder / "x.jsonl").write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": text}) + "\n")
+    paths = [str(tmp_path / "a" / "x.jsonl"), str(tmp_path / "b" / "x.jsonl")]
+    first, again = read_inputs(paths), read_inputs(paths)
+    ids = [r.sample_id for r in first.records]
+    assert ids == [r.sample_id for r in again.records] and len(set(ids)) == 4  # same basename: hash in the id
+    assert [r.text for r in read_inputs(paths, limit=3).records] == ["one", "one", "two"]
+
+
+def test_unreadable_inputs_fail_at_once_naming_the_file(tmp_path):
+    with pytest.raises(ValueError, match="nope.jsonl: no such file"):
+        read_inputs([str(tmp_path / "nope.jsonl")])
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="data.csv: unknown format"):
+        read_inputs([str(tmp_path / "data.csv")])
+    (tmp_path / "broken.json").write_text("[{\"text\": ")
+    with pytest.raises(ValueError, match="broken.json: not valid JSON"):
+        read_inputs([str(tmp_path / "broken.json")])
