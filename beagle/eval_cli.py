@@ -65,11 +65,13 @@ def plot_acceptance(per_depth: list[float | None], path: Path, title: str) -> No
               help="Write a per-depth acceptance bar plot (PNG).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Target and drafter dtype. Compare outputs in float32: bf16 is not deterministic enough.")
+@click.option("--drafter-dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Drafter dtype if not --dtype (bf16 halves its LM-head reads; the target still decides).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
 @click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (spec §5 variant).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
-             temperature, seed, limit, json_path, plot_path, dtype, device, no_concat, no_progress) -> None:
+             temperature, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, no_concat, no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
 
     Prints τ (tokens per target pass), acceptance per depth, tokens/s of both, the speedup and peak
@@ -92,7 +94,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         torch_device = pick_device(device)
         torch.manual_seed(seed)
         model, tokenizer = load_target(model_path, dtype, torch_device)
-        drafter, _ = load_drafter_for(drafter_dir, model, dtype, torch_device)
+        drafter, _ = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device)
     except (ValueError, FileNotFoundError) as error:
         raise click.UsageError(str(error)) from None
 

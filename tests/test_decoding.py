@@ -150,3 +150,12 @@ def test_tree_shape_follows_the_knobs():
                 assert 0 <= parent < position and tree.depths[position] == tree.depths[parent] + 1
                 assert len(tree.children[parent]) <= config.top_k
         assert tree.depths.tolist() == [0, 1, 2, 3, 4]  # the chain
+
+
+def test_a_bfloat16_drafter_leaves_a_float32_target_output_unchanged():
+    target = tiny_target(context_scale=0.15)
+    drafter = bigram_drafter(target).to(torch.bfloat16)
+    prompt = torch.tensor([3, 5, 7, 9])
+    spec = speculative_generate(target, drafter, prompt, 30, set(), DraftConfig(depth=4, top_k=3, total_tokens=10))
+    assert spec.tokens == plain_generate(target, prompt, 30, set()).tokens
+    assert sum(spec.accepted) > 5
