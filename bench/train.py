@@ -1,0 +1,136 @@
+"""Benchmark the trainer (not a test): step time and memory of stage 1 and stage 2 at s = 1..5 on the
+same batch, and the data-wait fraction of the store loader.
+
+    python bench/train.py                      # SmolLM2-135M shapes, 2 x 512 tokens, CPU
+    python bench/train.py --preset tiny        # seconds, for a smoke check
+    python bench/train.py --device cuda        # bf16 autocast, allocator peak
+
+Memory: on CUDA the allocator's peak above the model; on CPU the bytes autograd keeps for backward
+(beagle.profiling), which is what grows with simulation steps. Random weights and states: the timing
+and memory do not depend on values.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from beagle.data import Batch, Loader, StoreSet, plan_epoch
+from beagle.model import BeagleDrafter, DrafterConfig
+from beagle.profiling import count_saved_bytes
+from beagle.stages import StageSettings, stage1_loss, stage2_loss
+from pipeline.store import write_store
+
+PRESETS = {
+    "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5),
+    "tiny": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=300, rope_theta=10000.0, rms_norm_eps=1e-6),
+}
+
+
+def _batch(cfg: DrafterConfig, B: int, L: int, device: torch.device) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g)
+    mask = torch.rand(B, L, generator=g) < 0.6
+    hidden = torch.randn(B, L, cfg.hidden_size, generator=g) * 2
+    return Batch(ids, mask, hidden, torch.full((B,), L)).to(device)
+
+
+def _measure(model, batch, loss_fn, settings, device, autocast, repeats):
+    """(median seconds per optimizer step, memory bytes)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times, memory = [], 0
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        with count_saved_bytes(model) as saved, torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model, batch, 1, settings).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            memory = torch.cuda.max_memory_allocated() - base
+        else:
+            memory = saved.total
+        if i:  # the first step warms up allocators and kernels
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), memory
+
+
+def _data_wait(cfg: DrafterConfig, model, device, autocast, samples: int, L: int, batch_tokens: int) -> float:
+    """Write a store of random states, train one stage-1 pass over it, return the data-wait fraction."""
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        url = f"{tmp}/store"
+        head = {"embed_tokens": model.embed_tokens.cpu(), "lm_head": model.lm_head.cpu()}
+        write_store(url, ({"sample_id": str(i), "input_ids": rng.integers(0, cfg.vocab_size, L),
+                           "loss_mask": np.ones(L, bool),
+                           "hidden_states": torch.randn(1, L, cfg.hidden_size).to(torch.bfloat16)}
+                          for i in range(samples)),
+                    head=head, target={"name": "bench", "architecture": cfg.to_dict()},
+                    tokenizer={"name": "none"}, capture={"layers": [-1], "dtype": "bfloat16", "max_length": L},
+                    source={"name": "random"})
+        data = StoreSet([url])
+        settings = StageSettings(5, 4, 0.2, 10.0, 8192)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        waited = total = 0.0
+        plan = plan_epoch(data.lengths, batch_tokens=batch_tokens, limit=L, seed=0, epoch=0)
+        t_start = time.perf_counter()
+        for _, batch, wait in Loader(data, plan, limit=L):
+            with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
+                loss = stage1_loss(model, batch.to(device), 0, settings).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            waited += wait
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t_start
+    return waited / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--window-size", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--store-samples", type=int, default=16)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    autocast = device.type == "cuda"
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_dict(PRESETS[args.preset])
+    model = BeagleDrafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02,
+                          torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(device)
+    batch = _batch(cfg, args.batch, args.length, device)
+    k = args.window_size
+    tokens = args.batch * args.length
+    print(f"preset {args.preset}, batch {args.batch} x {args.length} tokens, k={k}, device {device}, "
+          f"threads {torch.get_num_threads()}")
+    memory_kind = "peak alloc MiB" if device.type == "cuda" else "saved-for-backward MiB"
+    print(f"{'run':<28}{'step ms':>10}{'tokens/s':>11}{memory_kind:>24}")
+    rows = [("stage 1", stage1_loss, StageSettings(k, k, 0.2, 10.0, 8192))]
+    rows += [(f"stage 2 s={s}", stage2_loss, StageSettings(k, s, 0.2, 10.0, 8192)) for s in range(1, k + 1)]
+    rows += [(f"stage 2 s={s} no recompute", stage2_loss, StageSettings(k, s, 0.2, 10.0, 8192, recompute=False))
+             for s in (1, k)]
+    for name, fn, settings in rows:
+        seconds, memory = _measure(model, batch, fn, settings, device, autocast, args.repeats)
+        print(f"{name:<28}{seconds * 1e3:>10.1f}{tokens / seconds:>11.0f}{memory / 2**20:>24.1f}")
+    fraction = _data_wait(cfg, model, device, autocast, args.store_samples, args.length, tokens)
+    print(f"data-wait fraction (stage 1 over a {args.store_samples}-sample bf16 store): {fraction:.3f}")
+
+
+if __name__ == "__main__":
+    main()
