@@ -1,0 +1,219 @@
+"""The whole demo in one command: prepare -> extract -> train -> eval, timed, ending with one table.
+
+    python -m pipeline.demo.run            # the default size: within 30 minutes on 2 CPU cores
+    python -m pipeline.demo.run --smoke    # the same path at toy scale, a few minutes
+
+Each step is the real `beagle-pipeline` subcommand run as a subprocess, exactly as a user would type it
+(the command line is printed before it runs), so the demo exercises the product and not a shortcut.
+Outputs go to `runs/demo[-smoke]/`: `store/`, `train/` (with `curves.png` and `drafter/`), `eval.json`,
+`acceptance.png` and `summary.json` (the final table as data).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline.demo.prepare import DemoCache, default_cache_dir
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """How much of each step the demo does. Sized from measured speeds on 2 CPU cores (see docs/quickstart.md)."""
+
+    name: str
+    conversations: int        # ShareGPT records given to extract (--limit)
+    max_length: int           # tokens per conversation after truncation (extract and train)
+    stage1_epochs: int
+    stage2_epochs: int
+    train_batch_tokens: int
+    lr: float
+    warmup_steps: int
+    eval_prompts: int         # MT-Bench questions (two turns each)
+    max_new_tokens: int
+    eval_dtype: str = "float32"  # greedy equality with plain decoding is checked in one dtype
+
+
+SIZES = {
+    # Extraction runs at ~700 tokens/s here and conversations average ~600 tokens at 1024: ~5 minutes.
+    "default": DemoSize("default", conversations=400, max_length=1024, stage1_epochs=2, stage2_epochs=1,
+                        train_batch_tokens=4096, lr=5e-4, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
+    "smoke": DemoSize("smoke", conversations=16, max_length=256, stage1_epochs=1, stage2_epochs=1,
+                      train_batch_tokens=1024, lr=1e-3, warmup_steps=2, eval_prompts=1, max_new_tokens=24),
+}
+
+
+@dataclass
+class StepResult:
+    name: str
+    command: list[str]
+    seconds: float
+    returncode: int
+
+
+class DemoError(RuntimeError):
+    """A step failed; the message names the step and its command line."""
+
+
+def cli_command() -> list[str]:
+    """How to call `beagle-pipeline` with this interpreter: the console script next to it, or `-c`."""
+    script = Path(sys.executable).with_name("beagle-pipeline")
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-c", "from pipeline.cli import main; main(prog_name='beagle-pipeline')"]
+
+
+def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool) -> list[tuple[str, list[str]]]:
+    """The four command lines of the demo, in order (arguments only, without the program)."""
+    quiet = [] if progress else ["--no-progress"]
+    return [
+        ("prepare", ["prepare-demo", "--cache-dir", str(cache.root), *quiet]),
+        ("extract", ["extract", "--model", str(cache.model_dir), "--data", str(cache.sharegpt_path),
+                     "--out", str(out / "store"), "--limit", str(size.conversations),
+                     "--max-length", str(size.max_length), "--dtype", "bfloat16", *quiet]),
+        ("train", ["train", "--store", str(out / "store"), "--out", str(out / "train"),
+                   "--stage1-epochs", str(size.stage1_epochs), "--stage2-epochs", str(size.stage2_epochs),
+                   "--batch-tokens", str(size.train_batch_tokens), "--max-length", str(size.max_length),
+                   "--lr", str(size.lr), "--warmup-steps", str(size.warmup_steps),
+                   "--progress" if progress else "--no-progress"]),
+        ("eval", ["eval", "--model", str(cache.model_dir), "--drafter", str(out / "train" / "drafter"),
+                  "--prompts", str(cache.questions_path), "--limit", str(size.eval_prompts),
+                  "--max-new-tokens", str(size.max_new_tokens), "--dtype", size.eval_dtype,
+                  "--json", str(out / "eval.json"), "--plot", str(out / "acceptance.png"), *quiet]),
+    ]
+
+
+def run_steps(steps: list[tuple[str, list[str]]], program: list[str]) -> list[StepResult]:
+    """Run each step as a subprocess with the terminal attached; stop at the first failure.
+
+    `eval` exits 1 when speculative and plain outputs differ; it still writes its JSON, so that step's
+    failure is recorded and the table is printed before the demo exits with its status.
+    """
+    results = []
+    for name, arguments in steps:
+        command = [*program, *arguments]
+        print(f"\n==> {name}: beagle-pipeline {shlex.join(arguments)}", flush=True)
+        started = time.perf_counter()
+        returncode = subprocess.call(command)
+        results.append(StepResult(name, command, time.perf_counter() - started, returncode))
+        if returncode != 0 and name != "eval":
+            raise DemoError(f"step {name} failed with exit status {returncode}: {shlex.join(command)}")
+    return results
+
+
+def summarize(size: DemoSize, out: Path, results: list[StepResult]) -> dict:
+    """The final table's numbers, read from what the steps wrote (store manifest, metrics, eval JSON)."""
+    from pipeline.store import open_store
+
+    store = open_store(str(out / "store"))
+    counts = store.manifest.get("counts", {})
+    store_bytes = sum(p.stat().st_size for p in (out / "store").rglob("*") if p.is_file())
+    steps = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").is_file() else {}
+    seconds = {r.name: round(r.seconds, 1) for r in results}
+    return {
+        "size": asdict(size),
+        "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
+        "samples": len(store),
+        "tokens": int(counts.get("tokens", store.num_tokens)),
+        "loss_tokens": int(counts.get("loss_tokens", 0)),
+        "store_bytes": store_bytes,
+        "train_steps": len(steps),
+        "train_steps_per_stage": {str(s): sum(1 for m in steps if m.get("stage") == s) for s in (1, 2)},
+        "train_accuracy_last_steps": _mean_accuracy(steps[-10:]),
+        "acceptance_length": evaluation.get("acceptance_length"),
+        "per_depth_acceptance": evaluation.get("per_depth_acceptance"),
+        "tokens_per_second": evaluation.get("tokens_per_second"),
+        "speedup": evaluation.get("speedup"),
+        "outputs_match": evaluation.get("outputs_match"),
+        "plots": [str(p) for p in (out / "train" / "curves.png", out / "acceptance.png") if p.is_file()],
+    }
+
+
+def _mean_accuracy(steps: list[dict]) -> list[float | None]:
+    """Per-depth top-1 accuracy averaged over `steps` (the trainer logs one list per step)."""
+    depths = max((len(m.get("accuracy") or []) for m in steps), default=0)
+    means = []
+    for depth in range(depths):
+        values = [m["accuracy"][depth] for m in steps
+                  if len(m.get("accuracy") or []) > depth and m["accuracy"][depth] is not None]
+        means.append(round(sum(values) / len(values), 4) if values else None)
+    return means
+
+
+def format_table(summary: dict) -> str:
+    """The human table printed at the end of the demo."""
+    seconds, rates = summary["seconds"], summary["tokens_per_second"] or {}
+    depths = summary["per_depth_acceptance"] or []
+    per_depth = "  ".join(f"d{i}={'-' if v is None else f'{v:.2f}'}" for i, v in enumerate(depths, start=1))
+    tau = summary["acceptance_length"]
+    speedup = summary["speedup"]
+    match = {True: "outputs identical to plain decoding", False: "OUTPUTS DIFFER from plain decoding",
+             None: "no eval result"}[summary["outputs_match"]]
+    rows = [
+        ("steps", "  ".join(f"{name} {_duration(s)}" for name, s in seconds.items() if name != "total")),
+        ("total time", _duration(seconds["total"])),
+        ("samples", f"{summary['samples']:,} ShareGPT conversations (≤ {summary['size']['max_length']} tokens)"),
+        ("tokens", f"{summary['tokens']:,} ({summary['loss_tokens']:,} in the loss)"),
+        ("store size", f"{summary['store_bytes'] / 2**20:,.1f} MiB"),
+        ("training", f"{_duration(seconds.get('train', 0))}, {summary['train_steps']} steps "
+                     f"(stage 1: {summary['train_steps_per_stage']['1']}, "
+                     f"stage 2: {summary['train_steps_per_stage']['2']})"),
+        ("τ", "-" if tau is None else f"{tau:.2f} tokens per target forward"),
+        ("acceptance", per_depth or "-"),
+        ("tokens/s", f"plain {rates.get('baseline', 0):.1f}, speculative {rates.get('speculative', 0):.1f}"),
+        ("speedup", "-" if speedup is None else f"{speedup:.2f}x ({match})"),
+        ("plots", ", ".join(summary["plots"]) or "-"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    title = f"Beagle demo ({summary['size']['name']}): SmolLM2-135M-Instruct, {os.cpu_count()} CPU cores"
+    return "\n".join([title, *(f"  {label:<{width}}  {value}" for label, value in rows)])
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{rest:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.demo.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="Toy scale: the same path in a few minutes.")
+    parser.add_argument("--out", type=Path, default=None, help="Run folder [runs/demo or runs/demo-smoke].")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="Demo cache [$BEAGLE_CACHE/demo or .cache/demo].")
+    parser.add_argument("--no-progress", action="store_true", help="No progress bars (for logs and CI).")
+    args = parser.parse_args(argv)
+
+    size = SIZES["smoke" if args.smoke else "default"]
+    out = (args.out or Path("runs") / ("demo-smoke" if args.smoke else "demo")).resolve()
+    cache = DemoCache((args.cache_dir or default_cache_dir()).resolve())
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local Ray needs no token
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The store is kept (extract resumes or finds it complete); the drafter and eval are redone.
+    for stale in (out / "train", out / "eval.json", out / "acceptance.png", out / "summary.json"):
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+    try:
+        results = run_steps(plan(size, cache, out, progress=not args.no_progress), cli_command())
+    except DemoError as error:
+        print(f"\ndemo stopped: {error}", file=sys.stderr)
+        return 1
+    summary = summarize(size, out, results)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print("\n" + format_table(summary), flush=True)
+    failed = [r for r in results if r.returncode != 0]
+    if failed:
+        print(f"\nstep {failed[0].name} exited with status {failed[0].returncode}", file=sys.stderr)
+        return failed[0].returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
