@@ -7,7 +7,6 @@ batches. For tiny test models use a larger lr (1e-3) and a short warm-up (see do
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -94,8 +93,13 @@ def load_config_file(path: str | Path) -> TrainConfig:
         raise FileNotFoundError(f"config file {path} not found")
     text = path.read_text(encoding="utf-8")
     try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import tomllib  # Python >= 3.11; use a .json config on 3.10
+
+            data = tomllib.loads(text)
+    except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are both ValueErrors
         raise ValueError(f"{path}: cannot parse ({exc}); use TOML (.toml) or JSON (.json)") from exc
     if isinstance(data.get("train"), dict) and len(data) == 1:  # allow a [train] table
         data = data["train"]
