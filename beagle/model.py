@@ -199,4 +199,4 @@ class BeagleDrafter(nn.Module):
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """The weights a run exports: everything but the frozen embedding and LM head."""
-        return {k: v for k, v in self.state_dict().items()}
+        return dict(self.state_dict())

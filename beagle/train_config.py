@@ -24,6 +24,7 @@ class TrainConfig:
     noise_std: float = 0.2                # Gaussian key noise, as a fraction of the states' RMS
     regression_weight: float = 10.0       # SmoothL1 weight relative to the soft cross-entropy
     detach_feedback: bool = False         # cut gradients through fed-back predicted states
+    stage2_recompute: bool = True         # recompute each stage-2 step in backward: memory flat in s
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length)
     max_length: int | None = None         # truncate samples; default batch_tokens

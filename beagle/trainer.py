@@ -116,7 +116,8 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_CONFIG).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
     settings = StageSettings(config.window_size, config.simulation_steps, config.noise_std * state_rms,
-                             config.regression_weight, config.vocab_chunk, config.detach_feedback)
+                             config.regression_weight, config.vocab_chunk, config.detach_feedback,
+                             config.stage2_recompute)
 
     step, phase, start_batch = 0, 0, 0
     if checkpoint is not None:
