@@ -36,8 +36,11 @@ def tokenize_records(tokenizer: Any, records: list[Record], *, max_length: int) 
         try:
             tokenized = tokenize_record(tokenizer, record, max_length=max_length)
         except RejectRecord as reject:
-            out.append(("reject", {"source": record.source, "index": record.index, "sample_id": record.sample_id,
-                                   "reason": reject.reason, "detail": reject.detail}))
+            where = {"source": record.source, "index": record.index}
+            if record.line is not None:
+                where["line"] = record.line
+            out.append(("reject", {**where, "sample_id": record.sample_id, "reason": reject.reason,
+                                   "detail": reject.detail}))
             continue
         out.append(("sample", {"sample_id": record.sample_id, "input_ids": tokenized.input_ids,
                                "loss_mask": tokenized.loss_mask, "truncated": tokenized.truncated,
@@ -97,5 +100,6 @@ class ShardExtractor:
                         os.getpid())
         return {"shard_index": np.asarray(batch["shard_index"], dtype=np.int64),
                 "info": np.asarray(infos, dtype=object),
-                "seconds": np.asarray(seconds), "forward_seconds": np.asarray(forward_seconds)}
+                "seconds": np.asarray(seconds), "forward_seconds": np.asarray(forward_seconds),
+                "pid": np.full(len(infos), os.getpid(), dtype=np.int64)}
 

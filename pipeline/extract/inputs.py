@@ -7,6 +7,7 @@ from `REJECT_REASONS`.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -59,18 +60,7 @@ class Record:
     messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...)
     text: str | None = None
     dropped_leading_assistant: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"sample_id": self.sample_id, "source": self.source, "index": self.index,
-                "messages": [list(m) for m in self.messages] if self.messages is not None else None,
-                "text": self.text, "dropped_leading_assistant": self.dropped_leading_assistant}
-
-    @staticmethod
-    def from_json(obj: dict[str, Any]) -> "Record":
-        messages = obj.get("messages")
-        return Record(obj["sample_id"], obj["source"], obj["index"],
-                      tuple((r, c) for r, c in messages) if messages is not None else None,
-                      obj.get("text"), obj.get("dropped_leading_assistant", 0))
+    line: int | None = None  # JSONL line number, for rejects found after reading
 
 
 @dataclass
@@ -249,6 +239,8 @@ def read_inputs(paths: list[str], *, limit: int | None = None) -> ReadResult:
             except RejectRecord as reject:
                 result.rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
                 continue
+            if line is not None:
+                record = dataclasses.replace(record, line=line)
             seen_ids.add(record.sample_id)
             result.records.append(record)
         result.sources.append({"path": given, "sha256": digest, "records": count})

@@ -64,6 +64,7 @@ class Prepared:
     read: ReadResult
     samples: list[dict] = field(default_factory=list)  # tokenized, input order
     rejects: list[dict] = field(default_factory=list)
+    actor_pids: set[int] = field(default_factory=set)  # forward actors that committed shards in this run
 
 
 def _absolute(url: str) -> str:
@@ -99,7 +100,7 @@ def tokenize_all(prepared: Prepared, *, use_ray: bool) -> None:
 
     config, records = prepared.config, prepared.read.records
     chunks = [records[i:i + config.tokenize_chunk] for i in range(0, len(records), config.tokenize_chunk)]
-    if use_ray and chunks:
+    if use_ray and len(chunks) > 1:  # one chunk: a Ray task would only add a worker start
         import ray.data
 
         from pipeline.extract.actor import tokenize_chunks
@@ -184,6 +185,9 @@ def _quiet_ray_data() -> None:
     if context.enable_progress_bars:
         context.enable_progress_bars = False
     context.print_on_execution_start = False
+    # Start work only when the whole actor pool holds its model, so shards spread over all actors
+    # instead of queueing on the first one to finish loading.
+    context.wait_for_min_actors_s = 3600
 
 
 def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
@@ -208,13 +212,14 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
     resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
     dataset = dataset.map_batches(ShardExtractor, batch_size=1, **resources,
-                                  compute=ray.data.ActorPoolStrategy(size=workers),
+                                  compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
                                   fn_constructor_kwargs={"config": forward_config, "store_url": url})
     logger.info("forward: %d shards on %d %s actor(s)", len(rows), workers, "GPU" if gpus else "CPU")
     infos = []
     for row in dataset.iter_rows():
         info = json.loads(row["info"])
         infos.append(info)
+        prepared.actor_pids.add(int(row["pid"]))
         if progress is not None:
             progress.advance(info["samples"], info["tokens"])
     return infos
@@ -281,6 +286,7 @@ def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> E
             import ray
             ray.shutdown()
     summary.shards, summary.shards_resumed, summary.state = len(shards), len(done), state
+    summary.actors = len(prepared.actor_pids)
     summary.store_bytes = _store_bytes(url)
     summary.seconds = time.perf_counter() - started
     return summary

@@ -19,6 +19,7 @@ class ExtractSummary:
     forward_seconds: float = 0.0  # wall time of the forward stage in this run
     seconds: float = 0.0
     store_bytes: int = 0
+    actors: int = 0  # forward actors that committed shards in this run
     state: str = "new"  # new | resume | complete (nothing left to do)
     dry_run: bool = False
 
@@ -48,7 +49,8 @@ class ExtractSummary:
             lines.append(f"  est. size    {size} ({self.bytes_per_token:,.0f} bytes/token)")
             return lines
         lines += [
-            f"  shards       {self.shards:,} ({self.shards_resumed:,} kept from an earlier run)",
+            f"  shards       {self.shards:,} ({self.shards_resumed:,} kept from an earlier run, "
+            f"{self.actors} forward actor(s) in this run)",
             f"  speed        {self.tokens_per_second:,.0f} tokens/s over {self.forward_tokens:,} tokens "
             f"forwarded in {self.forward_seconds:,.1f}s (total {self.seconds:,.1f}s)",
             f"  store size   {size} ({self.bytes_per_token:,.0f} bytes/token)",

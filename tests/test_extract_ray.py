@@ -1,0 +1,168 @@
+"""Extraction end to end on a real local Ray: stored states, masks, rejects, determinism, resume after SIGKILL.
+
+One Ray session serves the module (starting Ray costs ~3 s and ~1 GiB); the killed CLI run starts its own.
+"""
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.extract.chat import load_tokenizer, tokenize_record
+from pipeline.extract.inputs import Record
+from pipeline.extract.pipeline import ExtractConfig, run_extract
+from pipeline.store import StoreConflictError, committed_shards, open_store, verify_store
+from tests.tiny import build_target
+
+pytestmark = pytest.mark.slow
+
+GOOD_CHATS = [{"id": f"c{i}", "conversations": [
+    {"from": "human", "value": f"Question {i}: what is {i} plus {i}?"},
+    {"from": "gpt", "value": f"The answer is {2 * i}." + " Indeed." * (i % 4)},
+    {"from": "human", "value": "Thank you!"}, {"from": "gpt", "value": "You are welcome."}]} for i in range(9)]
+BAD_LINES = ['{"conversations": [', '"just a string"', '{"title": "x"}',
+             '{"conversations": [{"from": "human", "value": null}, {"from": "gpt", "value": "y"}]}',
+             '{"conversations": [{"from": "function", "value": "x"}]}', '{"conversations": []}', '{"text": ""}',
+             '{"conversations": [{"from": "human", "value": "no reply"}]}', '{"id": "c0", "text": "duplicate"}',
+             json.dumps({"conversations": [{"from": "human", "value": "long " * 80}, {"from": "gpt", "value": "ok"}]})]
+BAD_REASONS = ["malformed_json", "not_an_object", "missing_field", "missing_field", "unknown_role",
+               "empty_conversation", "empty_text", "no_assistant_turn", "duplicate_id", "no_loss_tokens"]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("extract")
+    target = build_target(root / "target", template="chatml")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps(c) + "\n" for c in GOOD_CHATS[:6]) + "\n".join(BAD_LINES) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([{"id": c["id"], "messages": [
+        {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+        for t in c["conversations"]]} for c in GOOD_CHATS[6:]]), root / "more.parquet")
+    (root / "plain.json").write_text(json.dumps([{"text": "The quick brown fox jumps over the lazy dog."},
+                                                 {"text": "Hello, how are you today?"}]))
+    return {"root": root, "target": target,
+            "data": (str(chats), str(root / "more.parquet"), str(root / "plain.json"))}
+
+
+def _config(workspace, out, **overrides):
+    settings = dict(model_path=str(workspace["target"]), data=workspace["data"], out=str(out), dtype="float32",
+                    max_length=64, samples_per_shard=3, batch_tokens=128, tokenize_chunk=4, num_workers=2)
+    settings.update(overrides)
+    return ExtractConfig(**settings)
+
+
+def _shard_checksums(url):
+    return {rel: meta["sha256"] for shard in open_store(url).manifest["shards"] for rel, meta in shard["files"].items()}
+
+
+def test_two_workers_store_what_a_direct_forward_computes(ray_address, workspace):
+    out = workspace["root"] / "store"
+    summary = run_extract(_config(workspace, out))
+    assert summary.samples == 11 and summary.shards == 4 and summary.actors == 2
+    assert summary.rejected_by_reason == dict(Counter(BAD_REASONS))
+    assert verify_store(str(out)).ok
+    store = open_store(str(out))
+    assert store.manifest["counts"]["rejected_by_reason"] == dict(Counter(BAD_REASONS))
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in rejects] == BAD_REASONS
+    assert [r["line"] for r in rejects] == list(range(7, 7 + len(BAD_LINES)))
+    ids = [f"c{i}" for i in range(9)] + ["plain.json:0", "plain.json:1"]
+    assert [store[i]["sample_id"] for i in range(len(store))] == ids
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(workspace["target"]), dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(workspace["target"]))
+    records = [Record(f"c{i}", "", 0, messages=tuple(
+        ({"human": "user", "gpt": "assistant"}[t["from"]], t["value"]) for t in c["conversations"]))
+        for i, c in enumerate(GOOD_CHATS)] + [Record("p", "", 0, text=t) for t in
+                                              ("The quick brown fox jumps over the lazy dog.", "Hello, how are you today?")]
+    with torch.no_grad():
+        for i, record in enumerate(records):
+            sample, expected = store[i], tokenize_record(tokenizer, record, max_length=64)
+            assert sample["input_ids"].tolist() == expected.input_ids.tolist()
+            assert sample["loss_mask"].tolist() == expected.loss_mask.tolist()
+            direct = model(torch.as_tensor(expected.input_ids, dtype=torch.long)[None], output_hidden_states=True)
+            torch.testing.assert_close(sample["hidden_states"][0], direct.hidden_states[-1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(store.load_head()["embed_tokens"], model.get_input_embeddings().weight)
+
+
+def test_reruns_are_deterministic_and_other_settings_are_refused(ray_address, workspace):
+    first, second = workspace["root"] / "store", workspace["root"] / "again"
+    if not (first / "manifest.json").exists():
+        run_extract(_config(workspace, first))
+    summary = run_extract(_config(workspace, second, num_workers=1, tokenize_chunk=512))
+    assert summary.dataset_id == open_store(str(first)).dataset_id
+    assert _shard_checksums(str(second)) == _shard_checksums(str(first))
+    assert run_extract(_config(workspace, first)).state == "complete"
+    with pytest.raises(StoreConflictError, match="built from other inputs or settings.*--overwrite"):
+        run_extract(_config(workspace, first, max_length=32))
+
+
+def _cli(*args):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    return [str(Path(sys.executable).with_name("beagle-pipeline")), "extract", *args], env
+
+
+def test_resume_after_sigkill_of_the_driver(ray_address, workspace, tmp_path):
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps({"id": f"m{i}", "conversations": [
+        {"from": "human", "value": f"Tell me about {i} " * (1 + i % 5)},
+        {"from": "gpt", "value": f"Here is what I know about {i}. " * (1 + i % 7)}]}) + "\n" for i in range(120)))
+    out = tmp_path / "store"
+    args = ["--model", str(workspace["target"]), "--data", str(data), "--out", str(out), "--dtype", "float32",
+            "--samples-per-shard", "1", "--max-length", "256", "--no-progress"]
+    command, env = _cli(*args)
+    driver = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while len(committed_shards(str(out))) < 3 and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert driver.poll() is None, driver.stdout.read().decode()[-2000:]
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)  # the local Ray it started, if anything outlived it
+        except ProcessLookupError:
+            pass
+    kept = committed_shards(str(out))
+    assert 3 <= len(kept) < 120, f"the kill came too late to test resume ({len(kept)} shards committed)"
+    assert not (out / "manifest.json").exists()
+
+    command, env = _cli(*args, "--address", ray_address)
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    reused = re.search(r"\((\d+) kept from an earlier run", resumed.stdout)
+    assert reused and len(kept) <= int(reused.group(1)) < 120, resumed.stdout
+
+    reference = tmp_path / "reference"
+    config = ExtractConfig(model_path=str(workspace["target"]), data=(str(data),), out=str(reference),
+                           dtype="float32", samples_per_shard=1, max_length=256)
+    assert run_extract(config).dataset_id == open_store(str(out)).dataset_id
+    assert _shard_checksums(str(out)) == _shard_checksums(str(reference))
+    store = open_store(str(out))
+    assert [store[i]["sample_id"] for i in range(len(store))] == [f"m{i}" for i in range(120)]
+    assert verify_store(str(out)).ok
