@@ -41,6 +41,17 @@ def plot_acceptance(per_depth: list[float | None], path: Path, title: str) -> No
     plt.close(figure)
 
 
+def _reduce_vocabulary(drafter, meta: dict, size: int, stores: tuple[str, ...], eos: set[int]):
+    from beagle.decoding.draft_vocab import ReducedVocabDrafter, frequent_tokens
+
+    stores = list(stores) or list(meta.get("stores") or [])
+    if not stores:
+        raise ValueError("--draft-vocab counts tokens in the training stores, and the drafter's config.json "
+                         "lists none: pass --draft-vocab-store STORE")
+    tokens = frequent_tokens(stores, size, drafter.config.vocab_size, always=eos)
+    return ReducedVocabDrafter(drafter, tokens)
+
+
 @click.command("eval")
 @click.option("--model", "model_path", required=True, type=click.Path(exists=True, file_okay=False),
               help="Local HF directory of the target causal LM.")
@@ -68,10 +79,15 @@ def plot_acceptance(per_depth: list[float | None], path: Path, title: str) -> No
 @click.option("--drafter-dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Drafter dtype if not --dtype (bf16 halves its LM-head reads; the target still decides).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
+@click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Score only the N most frequent predicted tokens in the drafter's LM head (0 = all).")
+@click.option("--draft-vocab-store", multiple=True,
+              help="Store(s) to count token frequencies in (default: the stores in the drafter's config.json).")
 @click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (spec §5 variant).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
-             temperature, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, no_concat, no_progress) -> None:
+             temperature, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
+             draft_vocab_store, no_concat, no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
 
     Prints τ (tokens per target pass), acceptance per depth, tokens/s of both, the speedup and peak
@@ -94,11 +110,13 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         torch_device = pick_device(device)
         torch.manual_seed(seed)
         model, tokenizer = load_target(model_path, dtype, torch_device)
-        drafter, _ = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device)
+        drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device)
+        eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+        if draft_vocab:
+            drafter = _reduce_vocabulary(drafter, meta, draft_vocab, draft_vocab_store, eos)
     except (ValueError, FileNotFoundError) as error:
         raise click.UsageError(str(error)) from None
 
-    eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
     if not eos:
         logger.warning("no EOS id in the tokenizer or generation_config; answers stop at --max-new-tokens")
     progress = (lambda xs: xs) if no_progress else (lambda xs: tqdm(xs, desc="prompts", unit="prompt"))
@@ -107,7 +125,8 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     shape = f"chain depth {depth}" if chain else f"tree depth {depth} top-k {top_k} total {total_tokens}"
     report = summary.to_json()
     click.echo(f"prompts: {summary.num_prompts}  max new tokens: {max_new_tokens}  draft: {shape}"
-               f"{' no-concat' if no_concat else ''}  temperature: {temperature}  dtype: {dtype}  device: {torch_device}")
+               f"{' no-concat' if no_concat else ''}  temperature: {temperature}  dtype: {dtype}  "
+               f"device: {torch_device}")
     click.echo(f"acceptance length τ: {summary.acceptance_length:.2f} tokens per target pass")
     click.echo(f"acceptance per depth: {_format_depths(summary.per_depth_acceptance)}")
     click.echo(f"tokens/s: baseline {report['tokens_per_second']['baseline']:.1f}  "

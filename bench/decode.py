@@ -6,6 +6,7 @@ and by speculative decoding in this one process, and a table is printed:
 
     python bench/decode.py --drafter RUN/drafter [--model .cache/demo/model] [--prompts question.jsonl]
                            [--limit 4] [--max-new-tokens 64] [--dtype bfloat16] [--drafter-dtype bfloat16]
+                           [--draft-vocab 8192 [--draft-vocab-store STORE]]
 
 Without --drafter an UNTRAINED drafter of the right shape is used: τ is then ~1 and the table shows only
 the cost of drafting and tree verification on this machine (the break-even τ for each shape).
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
 from beagle.decoding import DraftConfig
+from beagle.decoding.draft_vocab import ReducedVocabDrafter, frequent_tokens
 from beagle.decoding.evaluation import evaluate_prompts
 from beagle.decoding.loading import DTYPES, load_drafter_for, load_target, pick_device
 from beagle.model import BeagleDrafter, DrafterConfig
@@ -40,6 +41,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--drafter-dtype", default=None, choices=sorted(DTYPES))
+    parser.add_argument("--draft-vocab", type=int, default=0, help="score only the N most frequent tokens")
+    parser.add_argument("--draft-vocab-store", action="append", default=[],
+                        help="store(s) to count tokens in (default: the drafter's training stores)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
@@ -50,8 +54,9 @@ def main() -> None:
     device = pick_device(args.device)
     model, tokenizer = load_target(args.model, args.dtype, device)
     drafter_dtype = args.drafter_dtype or args.dtype
+    meta: dict = {}
     if args.drafter:
-        drafter, _ = load_drafter_for(args.drafter, model, drafter_dtype, device)
+        drafter, meta = load_drafter_for(args.drafter, model, drafter_dtype, device)
         which = args.drafter
     else:
         torch.manual_seed(0)
@@ -59,9 +64,14 @@ def main() -> None:
                                 model.get_input_embeddings().weight.detach(),
                                 model.get_output_embeddings().weight.detach()).to(device, DTYPES[drafter_dtype]).eval()
         which = "untrained drafter (overhead only)"
+    eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+    if args.draft_vocab:
+        stores = args.draft_vocab_store or list(meta.get("stores") or [])
+        drafter = ReducedVocabDrafter(drafter, frequent_tokens(stores, args.draft_vocab,
+                                                               model.config.vocab_size, always=eos))
+        which += f", draft vocabulary {args.draft_vocab}"
     items = load_prompts(args.prompts, args.limit)
     items = [type(item)(item.prompt_id, item.history, item.turns[:1]) for item in items]  # first turns only
-    eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
 
     print(f"model {args.model} ({args.dtype}), drafter {which} ({drafter_dtype}), device {device}, "
           f"threads {torch.get_num_threads()}, {len(items)} prompts, max {args.max_new_tokens} new tokens, "

@@ -159,3 +159,23 @@ def test_a_bfloat16_drafter_leaves_a_float32_target_output_unchanged():
     spec = speculative_generate(target, drafter, prompt, 30, set(), DraftConfig(depth=4, top_k=3, total_tokens=10))
     assert spec.tokens == plain_generate(target, prompt, 30, set()).tokens
     assert sum(spec.accepted) > 5
+
+
+def test_a_reduced_draft_vocabulary_keeps_outputs_and_drafts_only_its_tokens(tmp_path):
+    from beagle.decoding.draft_vocab import ReducedVocabDrafter, frequent_tokens
+    from tests.tiny_store import build_tiny_store
+
+    target = tiny_target(context_scale=0.15)
+    url = build_tiny_store(tmp_path / "store", model=target, num_samples=6)
+    tokens = frequent_tokens([url], 16, target.config.vocab_size, always={63})
+    assert 63 in tokens.tolist() and 16 <= len(tokens) <= 17
+    drafter = ReducedVocabDrafter(bigram_drafter(target), tokens)
+    prompt = torch.tensor([3, 5, 7, 9])
+    config = DraftConfig(depth=3, top_k=3, total_tokens=8)
+    spec = speculative_generate(target, drafter, prompt, 30, set(), config)
+    assert spec.tokens == plain_generate(target, prompt, 30, set()).tokens
+    with torch.inference_mode():
+        session = SpeculativeSession(target, drafter, config)
+        session.prefill(prompt)
+        tree = build_draft_tree(drafter, session.draft_cache, session.token, len(prompt), config)
+    assert set(tree.tokens[1:].tolist()) <= set(tokens.tolist())

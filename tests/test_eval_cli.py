@@ -113,3 +113,21 @@ def test_multi_turn_carries_each_sides_answer(setup):
     expected = plain_generate(target, torch.tensor(second_prompt), 6, set()).tokens
     assert summary.answers[1]["baseline"] == tokenizer.decode(expected, skip_special_tokens=True)
     assert summary.baseline.tokens == 12 and summary.speculative.tokens == 12
+
+
+@pytest.mark.slow
+def test_eval_with_a_reduced_draft_vocabulary(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_store import build_tiny_store
+
+    root, prompts, _ = setup
+    target = AutoModelForCausalLM.from_pretrained(root / "target")
+    store = build_tiny_store(tmp_path / "store", model=target, num_samples=6)
+    base = ["eval", "--model", str(root / "target"), "--drafter", str(root / "run" / "drafter"), "--prompts",
+            str(prompts), "--max-new-tokens", "12", "--chain", "--draft-vocab", "20", "--no-progress"]
+    result = CliRunner().invoke(main, base)
+    assert result.exit_code == 2 and "--draft-vocab-store" in result.output  # the drafter lists no stores
+    result = CliRunner().invoke(main, base + ["--draft-vocab-store", store])
+    assert result.exit_code == 0, result.output
+    assert "outputs match plain greedy decoding" in result.output

@@ -1,0 +1,60 @@
+"""A reduced draft vocabulary: the drafter's LM head scores only the most frequent tokens (spec §8).
+
+On a CPU a draft step is mostly the LM head (V x d weights read per step: 49k x 576 for SmolLM2), so
+scoring only the N most frequent predicted tokens of the training stores makes each step several times
+cheaper. Outputs stay exact: the target still decides every token (greedy), and for sampling the
+drafter's distribution is simply zero outside the subset, which rejection sampling allows.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+
+def frequent_tokens(store_urls: list[str], size: int, vocab_size: int, always: set[int] = frozenset()) -> Tensor:
+    """The `size` tokens most often predicted (loss-masked positions) in the stores, plus `always` ids."""
+    from pipeline.store import open_store
+
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for url in store_urls:
+        store = open_store(url)
+        for index in range(len(store)):
+            sample = store.get_numpy(index)
+            ids, mask = np.asarray(sample["input_ids"]), np.asarray(sample["loss_mask"]).astype(bool)
+            counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    if not counts.any():
+        raise ValueError(f"no loss-masked tokens in {store_urls}; cannot choose a draft vocabulary")
+    order = np.lexsort((np.arange(vocab_size), -counts))  # most frequent first, ties by id
+    chosen = set(int(t) for t in order[:size]) | {int(t) for t in always}
+    covered = counts[sorted(chosen)].sum() / counts.sum()
+    logger.info("draft vocabulary: %d tokens cover %.1f%% of predicted tokens", len(chosen), 100 * covered)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+class ReducedVocabDrafter(nn.Module):
+    """A drafter whose logits are computed for `tokens` only; every other token gets -inf."""
+
+    def __init__(self, drafter: nn.Module, tokens: Tensor) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.config = drafter.config
+        self.register_buffer("tokens", tokens.to(drafter.lm_head.device), persistent=False)
+        self.register_buffer("head", drafter.lm_head[self.tokens].contiguous(), persistent=False)  # [N, d]
+
+    def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.drafter.project_keys(states, positions)
+
+    def forward_hidden(self, input_ids, positions, k, v, attn_mask) -> Tensor:
+        return self.drafter.forward_hidden(input_ids, positions, k, v, attn_mask)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[B, Lq, d] -> [B, Lq, V], scored on the subset only."""
+        subset = hidden @ self.head.to(hidden.dtype).T  # [B, Lq, N]
+        full = subset.new_full((*subset.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.tokens] = subset
+        return full
