@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from beagle.eagle2 import Eagle2Drafter
 from beagle.model import BeagleDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -22,9 +23,11 @@ log = logging.getLogger(__name__)
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 DRAFTER_TYPE = "beagle"
+DRAFTER_CLASSES = {DRAFTER_TYPE: BeagleDrafter, "eagle2": Eagle2Drafter}
 
 
-def save_drafter(directory: str | os.PathLike, model: BeagleDrafter, *, metadata: dict[str, Any]) -> None:
+def save_drafter(directory: str | os.PathLike, model: BeagleDrafter | Eagle2Drafter, *,
+                 metadata: dict[str, Any]) -> None:
     """Write the drafter's trainable weights and a config.json with DrafterConfig + metadata.
 
     metadata typically carries the store dataset_id(s) and target fingerprints, so that `eval`
@@ -33,7 +36,7 @@ def save_drafter(directory: str | os.PathLike, model: BeagleDrafter, *, metadata
     directory.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     save_file(weights, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
-    config = {**metadata, **model.config.to_dict(), "drafter_type": DRAFTER_TYPE}
+    config = {**metadata, **model.config.to_dict(), "drafter_type": getattr(model, "drafter_type", DRAFTER_TYPE)}
     tmp = directory / (CONFIG_NAME + ".tmp")
     tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(directory / CONFIG_NAME)
@@ -42,8 +45,9 @@ def save_drafter(directory: str | os.PathLike, model: BeagleDrafter, *, metadata
 
 def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head: Tensor,
                  device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> tuple[BeagleDrafter, dict[str, Any]]:
-    """Rebuild a drafter from `save_drafter` output and the target's frozen embedding / LM head."""
+                 dtype: torch.dtype = torch.float32) -> tuple[BeagleDrafter | Eagle2Drafter, dict[str, Any]]:
+    """Rebuild a drafter from `save_drafter` output and the target's frozen embedding / LM head; the
+    class follows config.json's drafter_type (beagle, or the eagle2 baseline)."""
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     for path in (config_path, weights_path):
@@ -51,12 +55,13 @@ def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head:
             raise FileNotFoundError(f"{path} not found; point --drafter at a RUN/drafter directory "
                                     "written by `beagle-pipeline train`")
     meta = json.loads(config_path.read_text(encoding="utf-8"))
-    if meta.get("drafter_type") != DRAFTER_TYPE:
+    drafter_class = DRAFTER_CLASSES.get(meta.get("drafter_type"))
+    if drafter_class is None:
         raise ValueError(f"{config_path} has drafter_type={meta.get('drafter_type')!r}, "
-                         f"expected {DRAFTER_TYPE!r}")
+                         f"expected one of {sorted(DRAFTER_CLASSES)}")
     names = DrafterConfig.__dataclass_fields__.keys()
     config = DrafterConfig.from_dict({k: meta[k] for k in names if k in meta})
-    model = BeagleDrafter(config, embed_tokens, lm_head)
+    model = drafter_class(config, embed_tokens, lm_head)
     state = load_file(str(weights_path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -15,6 +15,8 @@ from beagle.train_config import TrainConfig, load_config_file
               help="Run directory: metrics, checkpoints, drafter/ export, curves.png.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="TOML or JSON file with TrainConfig keys; flags given here override it.")
+@click.option("--drafter", type=click.Choice(["beagle", "eagle2"]),
+              help="Drafter to train: beagle, or the EAGLE-2 baseline (all epochs teacher-forced). [beagle]")
 @click.option("--stage1-epochs", type=int, help="Epochs of stage 1 (block attention). [2]")
 @click.option("--stage2-epochs", type=int, help="Epochs of stage 2 (training-time simulation). [2]")
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps in total.")

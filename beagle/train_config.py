@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 
+DRAFTERS = ("beagle", "eagle2")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     # schedule
@@ -19,6 +22,7 @@ class TrainConfig:
     stage2_epochs: int = 2
     max_steps: int | None = None          # stop after this many optimizer steps in total
     # method
+    drafter: str = "beagle"               # beagle | eagle2 (the baseline of spec §7, one teacher-forced stage)
     window_size: int = 5                  # k: stage-1 block size and the drafting depth trained
     simulation_steps: int = 4             # s <= k: stage-2 depths simulated with fed-back states
     noise_std: float = 0.2                # Gaussian key noise, as a fraction of the states' RMS
@@ -43,6 +47,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         checks = [
+            (self.drafter in DRAFTERS, f"drafter={self.drafter!r} must be one of {list(DRAFTERS)}"),
             (self.window_size >= 1, "window_size must be >= 1"),
             (1 <= self.simulation_steps <= self.window_size,
              f"simulation_steps={self.simulation_steps} must lie in 1..window_size ({self.window_size})"),

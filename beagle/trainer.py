@@ -16,6 +16,7 @@ import torch
 
 from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
+from beagle.eagle2 import Eagle2Drafter, eagle2_loss
 from beagle.export import save_drafter
 from beagle.model import BeagleDrafter, DrafterConfig
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
@@ -100,7 +101,8 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
                          f"{drafter_config.hidden_size} in {data.urls[0]}")
     head = data.load_head()
     torch.manual_seed(config.seed)
-    model = BeagleDrafter(drafter_config, head["embed_tokens"].float(), head["lm_head"].float()).to(device)
+    drafter_class = Eagle2Drafter if config.drafter == "eagle2" else BeagleDrafter
+    model = drafter_class(drafter_config, head["embed_tokens"].float(), head["lm_head"].float()).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                   weight_decay=config.weight_decay)
     generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -145,6 +147,8 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
             phase = position["epoch"]
             stage = phases[phase]
             loss_fn = stage1_loss if stage == 1 else stage2_loss
+            if config.drafter == "eagle2":  # one teacher-forced loss for every epoch (spec §7)
+                loss_fn = eagle2_loss
             position = {"epoch": phase + 1, "batch": 0}  # where to go if this epoch has no batch left
             for batch_index, batch, wait in Loader(data, plans[phase], limit=limit, start=start_batch):
                 if step >= total:

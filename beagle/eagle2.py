@@ -1,0 +1,189 @@
+"""The EAGLE-2 baseline drafter (spec §7), trained by our trainer from our store for side-by-side figures.
+
+    z_p   = fc([Emb(t_p), h̃_{p-1}])                     # Linear(2d -> d): token fused with the PREVIOUS state
+    u_p   = z_p + W_o · SelfAttn(z_{≤p})                   # no input norm on this (first) layer, as EAGLE
+    ĥ_p   = u_p + MLP(RMSNorm(u_p))                        # draft estimate of h_p; LMHead(ĥ_p) predicts t_{p+1}
+
+Indexing is Beagle's (spec §1): row p carries token t_p and is trained to produce h_p, so both drafters
+share the loss code and the loss index of spec §8 (weight loss_mask[p+1]). EAGLE writes the same thing
+as fc([Emb(t_{i+1}), f_i]) -> f_{i+1}; RoPE only sees relative positions, so the shift is immaterial.
+Row 0 has no previous state: it is neither a query in the loss nor a key.
+
+Differences from Beagle that the figures compare: the drafter must be fed its own predicted state to go
+deeper (EAGLE-3 style test-time feedback, not trained here: EAGLE-2 trains teacher-forced only), it
+attends over fused (token, state) keys, and its noise is uniform (EAGLE: U(-w/2, w/2), w = noise_std).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from beagle.data import Batch
+from beagle.losses import LossResult, drafter_loss
+from beagle.model import DrafterConfig, RMSNorm, SwiGLU, rotary, _SDPA_HAS_GQA
+
+DRAFTER_TYPE = "eagle2"
+# EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; drafter_loss returns CE + regression_weight·SmoothL1 (10 by default).
+LOSS_SCALE = 0.1
+
+
+class Eagle2Drafter(nn.Module):
+    """fc + one Llama decoder layer. Embedding and LM head are frozen non-persistent buffers, as in
+    BeagleDrafter: `state_dict()` (the export) holds only the trained weights."""
+
+    drafter_type = DRAFTER_TYPE
+
+    def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
+        super().__init__()
+        expected = (config.vocab_size, config.hidden_size)
+        for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected} "
+                                 "(vocab_size, hidden_size) from the drafter config")
+        self.config = c = config
+        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def fuse(self, tokens: Tensor, previous_states: Tensor) -> Tensor:
+        """z = fc([Emb(t_p), h_{p-1}]): tokens [B, L], previous_states [B, L, d] -> [B, L, d]."""
+        x = F.embedding(tokens, self.embed_tokens).to(previous_states.dtype)
+        return self.fc(torch.cat([x, previous_states], dim=-1))
+
+    def project_fused(self, z: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Fused inputs [B, L, d] at positions [B, L] -> k, v [B, H_kv, L, hd] (RoPE on k)."""
+        B, L, _ = z.shape
+        c = self.config
+        k = self.k_proj(z).view(B, L, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(z).view(B, L, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return rotary(k, positions, c.rope_theta), v
+
+    def attend(self, z: Tensor, positions: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tensor:
+        """Queries from fused inputs z [B, Lq, d] over k, v [B, H_kv, Lk, hd]; attn_mask [B, 1, Lq, Lk]
+        (True = visible) -> draft states [B, Lq, d]. A row with no visible key gets zero attention."""
+        c = self.config
+        B, Lq, _ = z.shape
+        q = self.q_proj(z).view(B, Lq, c.num_attention_heads, c.head_dim)
+        q = rotary(q.transpose(1, 2), positions, c.rope_theta)                # [B, H, Lq, hd]
+        has_key = attn_mask.any(dim=-1, keepdim=True)                          # [B, 1, Lq, 1]
+        mask = attn_mask | ~has_key
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        if groups > 1 and _SDPA_HAS_GQA:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attn = attn * has_key.to(attn.dtype)                                   # [B, H, Lq, hd]
+        u = z + self.o_proj(attn.transpose(1, 2).reshape(B, Lq, c.num_attention_heads * c.head_dim))
+        return u + self.mlp(self.post_attention_norm(u))                       # [B, Lq, d]
+
+    def forward_sequence(self, input_ids: Tensor, states: Tensor, lengths: Tensor) -> Tensor:
+        """Teacher-forced pass: row p fuses t_p with the (noised) true state h_{p-1} and attends causally
+        (itself included) over rows 1..p. input_ids [B, L], states [B, L, d] -> draft states [B, L, d]."""
+        B, L, d = states.shape
+        dev = states.device
+        previous = torch.cat([states.new_zeros(B, 1, d), states[:, :-1]], dim=1)      # [B, L, d]
+        z = self.fuse(input_ids, previous)
+        positions = torch.arange(L, device=dev).expand(B, L)
+        k, v = self.project_fused(z, positions)
+        mask = causal_mask(L, dev)[None, None] & (torch.arange(L, device=dev) < lengths[:, None])[:, None, None, :]
+        return self.attend(z, positions, k, v, mask)
+
+    def draft_step(self, tokens: Tensor, positions: Tensor, parent_states: Tensor, keys: Tensor,
+                   values: Tensor, attn_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One drafting step for queries tokens [1, q] at positions [1, q] whose parent states (true h_n
+        for the root, the parent's draft state deeper) are [1, q, d]. keys/values hold the fused keys of
+        true positions and of drafted ancestors, attn_mask [1, 1, q, Lk]. Each query also sees its own
+        fused key, which it returns as the key its descendants see.
+        Returns (draft states [1, q, d], own keys, own values [1, H_kv, q, hd])."""
+        z = self.fuse(tokens, parent_states)                                  # [1, q, d]
+        own_k, own_v = self.project_fused(z, positions)
+        q = tokens.shape[1]
+        eye = torch.eye(q, dtype=torch.bool, device=tokens.device)[None, None]
+        hidden = self.attend(z, positions, torch.cat([keys, own_k.to(keys.dtype)], dim=-2),
+                             torch.cat([values, own_v.to(values.dtype)], dim=-2),
+                             torch.cat([attn_mask, eye], dim=-1))
+        return hidden, own_k, own_v
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Draft states [B, Lq, d] -> logits [B, Lq, V] through the target's frozen LM head."""
+        return hidden @ self.lm_head.to(hidden.dtype).T
+
+
+def causal_mask(length: int, device: torch.device | str = "cpu") -> Tensor:
+    """[L, L] mask for rows 1..L-1: row p sees keys 1..p (itself included); row and key 0 are empty."""
+    pos = torch.arange(length, device=device)
+    return (pos[None, :] <= pos[:, None]) & (pos[None, :] >= 1) & (pos[:, None] >= 1)
+
+
+class Eagle2KeyCache:
+    """The EAGLE-2 drafter's cache at decoding time: fused keys z_p = fc([Emb(t_p), h_{p-1}]) for the
+    committed positions, and the last true state h_n, which the next root fuses with its token.
+
+    `append(states, positions, tokens)` takes what the target consumed and produced: t_a..t_b and
+    h_a..h_b. Key p needs h_{p-1}, so the key of position a uses the state kept from the last call."""
+
+    def __init__(self, drafter: Eagle2Drafter) -> None:
+        self._drafter = drafter
+        self.keys: Tensor | None = None        # [1, H_kv, n, hd]
+        self.values: Tensor | None = None
+        self.last_state: Tensor | None = None  # [d]
+        self._length = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def append(self, states: Tensor, positions: Tensor, tokens: Tensor) -> None:
+        """states [L, d], positions [L], tokens [L]."""
+        previous = states[:-1]
+        if self.last_state is not None:
+            previous = torch.cat([self.last_state[None], previous])
+        else:  # position 0 has no previous state: no key
+            positions, tokens = positions[1:], tokens[1:]
+        if positions.numel():
+            z = self._drafter.fuse(tokens[None], previous[None])
+            k, v = self._drafter.project_fused(z, positions[None])
+            self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
+            self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
+        self.last_state = states[-1]
+        self._length += states.shape[0]
+
+
+def uniform_noise(states: Tensor, width: float, generator: torch.Generator | None) -> Tensor:
+    """EAGLE's feature noise: U(-width/2, width/2) added to every state."""
+    if width <= 0:
+        return states
+    noise = torch.rand(states.shape, generator=generator, device=states.device, dtype=states.dtype)
+    return states + (noise - 0.5) * width
+
+
+def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, generator: torch.Generator | None = None
+                ) -> LossResult:
+    """The EAGLE-2 training loss, with the trainer's stage-loss signature (offset unused: no windows).
+
+    LOSS_SCALE · (CE + regression_weight · SmoothL1) = 1.0·SmoothL1 + 0.1·CE at the default weight 10."""
+    B, L, d = batch.hidden.shape
+    states = uniform_noise(batch.hidden, settings.noise_std, generator)
+    hidden = model.forward_sequence(batch.input_ids, states, batch.lengths)             # [B, L, d]
+    weight = torch.zeros(B, L, device=hidden.device)
+    weight[:, 1:-1] = batch.loss_mask[:, 2:].float()    # row p predicts t_{p+1}; row 0 has no state
+    depths = torch.ones(B * L, dtype=torch.long, device=hidden.device)
+    result = drafter_loss(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1), depths,
+                          model.lm_head, num_depths=1, depth_weights=None,
+                          regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)
+    return LossResult(LOSS_SCALE * result.loss, result.token_loss, result.regression_loss,
+                      result.correct, result.count)
