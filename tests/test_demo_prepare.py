@@ -324,3 +324,49 @@ def test_cli_prepares_then_says_there_is_nothing_to_do(fake_site, tmp_path: Path
     env = {**os.environ, "BEAGLE_CACHE": str(tmp_path / "env")}
     bad = runner.invoke(main, ["prepare-demo", "--num-conversations", "0"], env=env)
     assert bad.exit_code == 2 and "--num-conversations" in bad.output
+
+# ---------------------------------------------------------------------------------------------- the runner
+
+
+@pytest.mark.parametrize("size", ["default", "smoke"])
+def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, tmp_path: Path) -> None:
+    """The demo calls the CLI by flags; a renamed or removed flag must fail here, not after 20 minutes."""
+    import click
+
+    from pipeline.cli import main
+    from pipeline.demo import run
+
+    cache, out = prep.DemoCache(tmp_path / "cache"), tmp_path / "out"
+    for folder in (cache.model_dir, out / "train" / "drafter"):
+        folder.mkdir(parents=True)
+    for file in (cache.sharegpt_path, cache.questions_path):
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text("")
+    steps = run.plan(run.SIZES[size], cache, out, progress=False)
+    assert [name for name, _ in steps] == ["prepare", "extract", "train", "eval"]
+    for name, arguments in steps:
+        command = main.get_command(click.Context(main), arguments[0])
+        assert command is not None, f"no subcommand {arguments[0]}"
+        command.make_context(arguments[0], list(arguments[1:]))  # parses and checks, does not run
+
+
+def test_final_table_shows_every_measure(tmp_path: Path) -> None:
+    from pipeline.demo import run
+
+    summary = {
+        "size": {"name": "smoke", "max_length": 256},
+        "seconds": {"prepare": 0.2, "extract": 20.2, "train": 74.0, "eval": 23.2, "total": 117.6},
+        "samples": 15, "tokens": 3706, "loss_tokens": 2471, "store_bytes": 112 * 2**20,
+        "train_steps": 8, "train_steps_per_stage": {"1": 4, "2": 4},
+        "acceptance_length": 1.24, "per_depth_acceptance": [0.27, 0.0, None],
+        "tokens_per_second": {"baseline": 17.0, "speculative": 4.1}, "speedup": 0.24, "outputs_match": True,
+        "plots": ["runs/demo-smoke/train/curves.png", "runs/demo-smoke/acceptance.png"],
+    }
+    table = run.format_table(summary)
+    for expected in ["1m58s", "15 ShareGPT conversations", "3,706 (2,471 in the loss)", "112.0 MiB",
+                     "1m14s, 8 steps (stage 1: 4, stage 2: 4)", "1.24 tokens per target forward",
+                     "d1=0.27  d2=0.00  d3=-", "plain 17.0, speculative 4.1", "0.24x (outputs identical",
+                     "runs/demo-smoke/train/curves.png, runs/demo-smoke/acceptance.png"]:
+        assert expected in table, expected
+    assert "OUTPUTS DIFFER" in run.format_table({**summary, "outputs_match": False})
+    assert run._mean_accuracy([{"accuracy": [0.5, None]}, {"accuracy": [0.25, 0.5]}]) == [0.375, 0.5]

@@ -38,13 +38,18 @@ class DemoSize:
     warmup_steps: int
     eval_prompts: int         # MT-Bench questions (two turns each)
     max_new_tokens: int
+    eval_draft: tuple[str, ...] = ("--chain", "--depth", "3")
     eval_dtype: str = "float32"  # greedy equality with plain decoding is checked in one dtype
 
 
+# Measured on 2 shared CPU cores (docs/quickstart.md): extraction ~1,100 tokens/s, training ~550 tokens/s,
+# plain greedy decoding ~22 tokens/s. 300 records give ~256 samples and ~215k tokens at 1024: extract
+# ~3.5 min, train one epoch per stage ~13 min, eval ~3 min; about 21 minutes with preparation.
+# A drafter trained this briefly accepts little (τ ≈ 1.1-1.4): on a CPU a short chain costs less per round
+# than a tree, so the demo drafts a chain of 3; `--tree` is the method's default for GPUs.
 SIZES = {
-    # Extraction runs at ~700 tokens/s here and conversations average ~600 tokens at 1024: ~5 minutes.
-    "default": DemoSize("default", conversations=400, max_length=1024, stage1_epochs=2, stage2_epochs=1,
-                        train_batch_tokens=4096, lr=5e-4, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
+    "default": DemoSize("default", conversations=300, max_length=1024, stage1_epochs=1, stage2_epochs=1,
+                        train_batch_tokens=4096, lr=1e-3, warmup_steps=10, eval_prompts=5, max_new_tokens=128),
     "smoke": DemoSize("smoke", conversations=16, max_length=256, stage1_epochs=1, stage2_epochs=1,
                       train_batch_tokens=1024, lr=1e-3, warmup_steps=2, eval_prompts=1, max_new_tokens=24),
 }
@@ -85,7 +90,7 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool) -> list
                    "--progress" if progress else "--no-progress"]),
         ("eval", ["eval", "--model", str(cache.model_dir), "--drafter", str(out / "train" / "drafter"),
                   "--prompts", str(cache.questions_path), "--limit", str(size.eval_prompts),
-                  "--max-new-tokens", str(size.max_new_tokens), "--dtype", size.eval_dtype,
+                  "--max-new-tokens", str(size.max_new_tokens), *size.eval_draft, "--dtype", size.eval_dtype,
                   "--json", str(out / "eval.json"), "--plot", str(out / "acceptance.png"), *quiet]),
     ]
 
