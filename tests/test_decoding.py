@@ -179,3 +179,33 @@ def test_a_reduced_draft_vocabulary_keeps_outputs_and_drafts_only_its_tokens(tmp
         session.prefill(prompt)
         tree = build_draft_tree(drafter, session.draft_cache, session.token, len(prompt), config)
     assert set(tree.tokens[1:].tolist()) <= set(tokens.tolist())
+
+
+def test_a_sliding_window_target_is_refused_up_front():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from beagle.decoding.verify import check_supported
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    with pytest.raises(ValueError, match="sliding-window"):
+        check_supported(MistralForCausalLM(config))
+    check_supported(tiny_target())  # a plain Llama passes
+
+
+def test_a_qwen2_target_decodes_identically():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    target = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in target.named_parameters():
+            if "norm" not in name:
+                parameter.normal_(0.0, 0.3)
+    drafter = random_drafter(target)
+    prompt = torch.tensor([3, 5, 7, 9])
+    plain = plain_generate(target, prompt, 25, set()).tokens
+    for config in (DraftConfig.chain(depth=3), DraftConfig(depth=3, top_k=4, total_tokens=12)):
+        assert speculative_generate(target, drafter, prompt, 25, set(), config).tokens == plain

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from beagle.decoding.verify import check_supported
 from beagle.export import CONFIG_NAME, load_drafter
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ def load_target(model_path: str | Path, dtype: str, device: torch.device):
         raise FileNotFoundError(f"{path / 'config.json'} not found; --model must be a local HF model directory")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+    check_supported(model)
     return model, tokenizer
 
 

@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from beagle.decoding.tree import DraftTree
 
@@ -32,6 +32,15 @@ def _cache_keyword(model: torch.nn.Module) -> str:
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
     return DynamicCache(config=model.config)
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuse, before any decoding, a target whose cache cannot be pruned by position."""
+    cache = new_cache(model)
+    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if odd:
+        raise ValueError(f"{type(model).__name__} uses {', '.join(odd)} cache layers (sliding-window or linear "
+                         "attention); speculative decoding here needs full-attention layers only")
 
 
 def run_target(model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Tensor,
