@@ -125,7 +125,19 @@ def _cli(*args):
     return [str(Path(sys.executable).with_name("beagle-pipeline")), "extract", *args], env
 
 
-def test_resume_after_sigkill_of_the_driver(ray_address, workspace, tmp_path):
+def _actor_pids():
+    """Pids of live forward actors (Ray titles them after the class)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"ShardExtractor" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_resume_after_sigkill_of_the_driver_and_of_an_actor(ray_address, workspace, tmp_path):
     data = tmp_path / "many.jsonl"
     data.write_text("".join(json.dumps({"id": f"m{i}", "conversations": [
         {"from": "human", "value": f"Tell me about {i} " * (1 + i % 5)},
@@ -152,11 +164,21 @@ def test_resume_after_sigkill_of_the_driver(ray_address, workspace, tmp_path):
     assert 3 <= len(kept) < 120, f"the kill came too late to test resume ({len(kept)} shards committed)"
     assert not (out / "manifest.json").exists()
 
+    # Resume, joining the test's Ray, and SIGKILL a forward actor mid-way: Ray restarts it and redoes its shard.
     command, env = _cli(*args, "--address", ray_address)
-    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    reused = re.search(r"\((\d+) kept from an earlier run", resumed.stdout)
-    assert reused and len(kept) <= int(reused.group(1)) < 120, resumed.stdout
+    resumed = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, killed = time.monotonic() + 120, []
+    while not killed and resumed.poll() is None and time.monotonic() < deadline:
+        if len(committed_shards(str(out))) >= len(kept) + 2:
+            killed = _actor_pids()
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    stdout, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, stderr[-2000:]
+    assert killed, "the resumed run finished before an actor could be killed"
+    reused = re.search(r"\((\d+) kept from an earlier run", stdout)
+    assert reused and len(kept) <= int(reused.group(1)) < 120, stdout
 
     reference = tmp_path / "reference"
     config = ExtractConfig(model_path=str(workspace["target"]), data=(str(data),), out=str(reference),

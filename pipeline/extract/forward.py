@@ -138,8 +138,10 @@ class TargetForward:
                            output_hidden_states=need_all, use_cache=False)
         picked = [output.last_hidden_state if layer == -1 else output.hidden_states[layer]
                   for layer in self.layers]  # n_layers x [B, L, d]
-        stacked = torch.stack(picked, dim=1).to("cpu")  # [B, n_layers, L, d]
-        return [stacked[row, :, :len(sequence)].clone() for row, sequence in enumerate(sequences)]
+        # One layer: a view, no copy. Per-sample slices stay views of the batch until the shard is written.
+        stacked = picked[0].unsqueeze(1) if len(picked) == 1 else torch.stack(picked, dim=1)  # [B, n_layers, L, d]
+        stacked = stacked.to("cpu")
+        return [stacked[row, :, :len(sequence)] for row, sequence in enumerate(sequences)]
 
     def hidden_states(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
         """Hidden states of every sequence, in input order, batched by `config.batch_tokens`."""

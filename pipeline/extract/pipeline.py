@@ -65,6 +65,8 @@ class Prepared:
     samples: list[dict] = field(default_factory=list)  # tokenized, input order
     rejects: list[dict] = field(default_factory=list)
     actor_pids: set[int] = field(default_factory=set)  # forward actors that committed shards in this run
+    actor_seconds: float = 0.0  # summed over shards: forward + write inside the actors
+    actor_forward_seconds: float = 0.0  # summed over shards: the forward alone
 
 
 def _absolute(url: str) -> str:
@@ -167,8 +169,9 @@ def _connect_ray(config: ExtractConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    if config.address:
-        ray.init(address=config.address, logging_level=logging.WARNING)
+    address = config.address or os.environ.get("RAY_ADDRESS")  # `ray job submit` sets RAY_ADDRESS
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # Logical CPUs >= actors + 1 so that tokenize tasks never wait behind the forward actors.
@@ -202,7 +205,8 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
     gpus = int(ray.cluster_resources().get("GPU", 0))
     workers = config.num_workers or max(1, gpus)
     workers = min(workers, len(shards))
-    threads = None if (gpus or config.address) else max(1, (os.cpu_count() or 1) // workers)
+    joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
+    threads = None if (gpus or joined) else max(1, (os.cpu_count() or 1) // workers)
     forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
                                    dtype=config.dtype, batch_tokens=config.batch_tokens, threads=threads,
                                    trust_remote_code=config.trust_remote_code)
@@ -220,6 +224,8 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
         info = json.loads(row["info"])
         infos.append(info)
         prepared.actor_pids.add(int(row["pid"]))
+        prepared.actor_seconds += float(row["seconds"])
+        prepared.actor_forward_seconds += float(row["forward_seconds"])
         if progress is not None:
             progress.advance(info["samples"], info["tokens"])
     return infos
@@ -287,6 +293,7 @@ def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> E
             ray.shutdown()
     summary.shards, summary.shards_resumed, summary.state = len(shards), len(done), state
     summary.actors = len(prepared.actor_pids)
+    summary.actor_seconds, summary.actor_forward_seconds = prepared.actor_seconds, prepared.actor_forward_seconds
     summary.store_bytes = _store_bytes(url)
     summary.seconds = time.perf_counter() - started
     return summary

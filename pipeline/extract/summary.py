@@ -20,6 +20,8 @@ class ExtractSummary:
     seconds: float = 0.0
     store_bytes: int = 0
     actors: int = 0  # forward actors that committed shards in this run
+    actor_seconds: float = 0.0  # busy time of the actors, summed over shards (forward + write)
+    actor_forward_seconds: float = 0.0  # of which the forward alone
     state: str = "new"  # new | resume | complete (nothing left to do)
     dry_run: bool = False
 

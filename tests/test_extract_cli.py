@@ -1,0 +1,63 @@
+"""The `extract` command's fast paths: one-line failures and --dry-run (no Ray, no model forward)."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from tests.tiny import build_target
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return build_target(tmp_path_factory.mktemp("target"), template="chatml_generation")
+
+
+@pytest.fixture()
+def chats(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi there!"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "Capital of France?"},
+                                 {"role": "assistant", "content": "Paris."}]}),
+        "{broken",
+    ]) + "\n")
+    return path
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
+
+
+def test_dry_run_prints_tokens_and_estimated_size_without_writing(target, chats, tmp_path):
+    out = tmp_path / "store"
+    result = _run("--model", str(target), "--data", str(chats), "--out", str(out), "--dry-run", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "samples      2" in result.output and "malformed_json" in result.output
+    assert "tokens" in result.output and "est. size" in result.output and "bytes/token" in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["data", "weights", "tokenizer", "layers"])
+def test_bad_setups_fail_at_once_with_one_line_naming_them(target, chats, tmp_path, case):
+    model, data, extra = str(target), str(chats), []
+    if case == "data":
+        data = str(tmp_path / "missing.jsonl")
+    elif case == "weights":
+        model = str(tmp_path / "empty_model")
+        (tmp_path / "empty_model").mkdir()
+        (tmp_path / "empty_model" / "config.json").write_text((target / "config.json").read_text())
+    elif case == "tokenizer":
+        model = str(tmp_path / "no_tokenizer")
+        (tmp_path / "no_tokenizer").mkdir()
+        for name in ("config.json", "model.safetensors"):
+            (tmp_path / "no_tokenizer" / name).write_bytes((target / name).read_bytes())
+    else:
+        extra = ["--layers", "7"]
+    result = _run("--model", model, "--data", data, "--out", str(tmp_path / "store"), "--dry-run", *extra)
+    assert result.exit_code == 1
+    message = result.output.strip()
+    assert message.count("\n") == 0 and message.startswith("Error: ")
+    expected = {"data": "missing.jsonl: no such file", "weights": "no weight files",
+                "tokenizer": "cannot load its tokenizer", "layers": "--layers 7: out of range"}[case]
+    assert expected in message and (case == "layers" or (model if case != "data" else data) in message)
