@@ -84,10 +84,10 @@ def test_ttt_loss_falls_on_a_tiny_store(tmp_path):
     model = BeagleDrafter(DrafterConfig.from_architecture(data.target["architecture"]),
                           head["embed_tokens"], head["lm_head"])
     batch = collate([data.sample(i, 100) for i in range(8)])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     settings = StageSettings(3, 3, 0.0, 10.0, 128)
     losses = []
-    for _ in range(25):
+    for _ in range(30):
         result = ttt_loss(model, batch, 0, settings)
         opt.zero_grad()
         result.loss.backward()
