@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from beagle.decoding import DraftConfig, SpeculativeSession, build_draft_tree, plain_generate, speculative_generate
-from beagle.decoding.kv_cache import DraftKeyCache
+from beagle.decoding.drafters import BeagleBackend
 from beagle.decoding.verify import new_cache, run_target, verify_tree
 from tests.decoding_helpers import bigram_drafter, random_drafter, tiny_target
 
@@ -120,9 +120,9 @@ def test_tree_verification_matches_each_path_run_alone(attn_implementation):
     with torch.inference_mode():
         cache = new_cache(target)
         output = run_target(target, cache, prompt)
-        draft_cache = DraftKeyCache(drafter)
-        draft_cache.append(output.hidden, torch.arange(len(prompt)))
-        tree = build_draft_tree(drafter, draft_cache, 9, len(prompt), DraftConfig(depth=3, top_k=3, total_tokens=9))
+        backend = BeagleBackend(drafter, concatenate=True)
+        backend.append(output.hidden, torch.arange(len(prompt)), prompt)
+        tree = build_draft_tree(backend, 9, len(prompt), DraftConfig(depth=3, top_k=3, total_tokens=9))
         verified = verify_tree(target, cache, tree, len(prompt))
         for position in range(tree.size):
             path, node = [], position
@@ -137,12 +137,12 @@ def test_tree_shape_follows_the_knobs():
     target = tiny_target()
     drafter = random_drafter(target)
     with torch.inference_mode():
-        draft_cache = DraftKeyCache(drafter)
+        backend = BeagleBackend(drafter, concatenate=True)
         output = run_target(target, new_cache(target), torch.tensor([1, 2, 3]))
-        draft_cache.append(output.hidden, torch.arange(3))
+        backend.append(output.hidden, torch.arange(3), torch.tensor([1, 2, 3]))
         for config in (DraftConfig(depth=5, top_k=10, total_tokens=60), DraftConfig(depth=3, top_k=2, total_tokens=6),
                        DraftConfig.chain(depth=4)):
-            tree = build_draft_tree(drafter, draft_cache, 7, 3, config)
+            tree = build_draft_tree(backend, 7, 3, config)
             assert tree.size == config.total_tokens + 1
             assert int(tree.depths.max()) <= config.depth
             for position in range(1, tree.size):
@@ -177,7 +177,7 @@ def test_a_reduced_draft_vocabulary_keeps_outputs_and_drafts_only_its_tokens(tmp
     with torch.inference_mode():
         session = SpeculativeSession(target, drafter, config)
         session.prefill(prompt)
-        tree = build_draft_tree(drafter, session.draft_cache, session.token, len(prompt), config)
+        tree = build_draft_tree(session.backend, session.token, len(prompt), config)
     assert set(tree.tokens[1:].tolist()) <= set(tokens.tolist())
 
 
@@ -209,3 +209,33 @@ def test_a_qwen2_target_decodes_identically():
     plain = plain_generate(target, prompt, 25, set()).tokens
     for config in (DraftConfig.chain(depth=3), DraftConfig(depth=3, top_k=4, total_tokens=12)):
         assert speculative_generate(target, drafter, prompt, 25, set(), config).tokens == plain
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_the_eagle2_baseline_drafter_decodes_identically(reduced):
+    """The EAGLE-2 baseline (spec §7) drafts through the same tree and verification code."""
+    from beagle.decoding.draft_vocab import ReducedVocabDrafter
+    from beagle.eagle2 import Eagle2Drafter
+    from beagle.model import DrafterConfig
+
+    target = tiny_target(context_scale=0.15)
+    torch.manual_seed(4)
+    drafter = Eagle2Drafter(DrafterConfig.from_architecture(target.config.to_dict()),
+                            target.get_input_embeddings().weight.detach(),
+                            target.get_output_embeddings().weight.detach()).eval()
+    with torch.no_grad():  # fc passes the token embedding through: the drafter then agrees with a near-bigram target
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, :32].copy_(torch.eye(32))
+        drafter.o_proj.weight.zero_()
+        drafter.mlp.down_proj.weight.zero_()
+    if reduced:
+        drafter = ReducedVocabDrafter(drafter, torch.arange(0, 64, 2))
+    accepted = 0
+    for prompt in ([3, 5, 7, 9], [11]):
+        prompt_ids = torch.tensor(prompt)
+        plain = plain_generate(target, prompt_ids, 25, set()).tokens
+        for config in (DraftConfig.chain(depth=3), DraftConfig(depth=4, top_k=3, total_tokens=10)):
+            spec = speculative_generate(target, drafter, prompt_ids, 25, set(), config)
+            assert spec.tokens == plain
+            accepted += sum(spec.accepted)
+    assert accepted > 10

@@ -37,7 +37,8 @@ def frequent_tokens(store_urls: list[str], size: int, vocab_size: int, always: s
 
 
 class ReducedVocabDrafter(nn.Module):
-    """A drafter whose logits are computed for `tokens` only; every other token gets -inf."""
+    """A drafter (Beagle or EAGLE-2) whose logits are computed for `tokens` only; every other token
+    gets -inf."""
 
     def __init__(self, drafter: nn.Module, tokens: Tensor) -> None:
         super().__init__()
@@ -51,6 +52,20 @@ class ReducedVocabDrafter(nn.Module):
 
     def forward_hidden(self, input_ids, positions, k, v, attn_mask) -> Tensor:
         return self.drafter.forward_hidden(input_ids, positions, k, v, attn_mask)
+
+    @property
+    def drafter_type(self) -> str:
+        return getattr(self.drafter, "drafter_type", "beagle")
+
+    # The EAGLE-2 baseline's decoding interface (see beagle/eagle2.py).
+    def draft_step(self, *args, **kwargs):
+        return self.drafter.draft_step(*args, **kwargs)
+
+    def fuse(self, tokens: Tensor, previous_states: Tensor) -> Tensor:
+        return self.drafter.fuse(tokens, previous_states)
+
+    def project_fused(self, z: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.drafter.project_fused(z, positions)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[B, Lq, d] -> [B, Lq, V], scored on the subset only."""

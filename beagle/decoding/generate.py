@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from beagle.decoding.acceptance import Acceptance, greedy_accept, sample_accept
-from beagle.decoding.kv_cache import DraftKeyCache, cache_length, keep_cache_positions
+from beagle.decoding.drafters import draft_backend
+from beagle.decoding.kv_cache import cache_length, keep_cache_positions
 from beagle.decoding.tree import DraftConfig, build_draft_tree
 from beagle.decoding.verify import new_cache, run_target, verify_tree
 
@@ -98,7 +99,8 @@ class SpeculativeSession:
                  generator: torch.Generator | None = None) -> None:
         self.model, self.drafter, self.config, self.generator = model, drafter, config, generator
         self.cache = new_cache(model)
-        self.draft_cache = DraftKeyCache(drafter)
+        self.backend = draft_backend(drafter, config.concatenate)
+        self.draft_cache = self.backend.cache
         self.token: int | None = None
         self._drafter_dtype = next(drafter.parameters()).dtype
 
@@ -106,7 +108,7 @@ class SpeculativeSession:
         """Run the prompt `[P]` through the target, seed the drafter's cache, return the first new token."""
         output = run_target(self.model, self.cache, prompt_ids)
         positions = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
-        self.draft_cache.append(output.hidden.to(self._drafter_dtype), positions)
+        self.backend.append(output.hidden.to(self._drafter_dtype), positions, prompt_ids)
         self.token = _choose(output.logits[-1], self.config.temperature, self.generator)
         return self.token
 
@@ -116,8 +118,8 @@ class SpeculativeSession:
         Returns the committed tokens (accepted drafts then the bonus token) and the `Acceptance`.
         """
         past = cache_length(self.cache)
-        device = self.draft_cache.keys.device
-        tree = build_draft_tree(self.drafter, self.draft_cache, self.token, past, self.config, self.generator)
+        device = self.cache.layers[0].keys.device
+        tree = build_draft_tree(self.backend, self.token, past, self.config, self.generator)
         output = verify_tree(self.model, self.cache, tree, past)
         if self.config.temperature > 0:
             acceptance = sample_accept(tree, output.logits, self.config.temperature, self.generator)
@@ -126,8 +128,8 @@ class SpeculativeSession:
         # Keep the root and the accepted path in both caches; drop every other branch.
         kept = torch.tensor([0] + acceptance.path, device=device)  # tree positions at depths 0..m
         keep_cache_positions(self.cache, torch.cat([torch.arange(past, device=device), past + kept]))
-        self.draft_cache.append(output.hidden[kept].to(self._drafter_dtype),
-                                past + torch.arange(kept.numel(), device=device))
+        self.backend.append(output.hidden[kept].to(self._drafter_dtype),
+                            past + torch.arange(kept.numel(), device=device), tree.tokens[kept])
         self.token = acceptance.bonus_token
         return tree.tokens[acceptance.path].tolist() + [acceptance.bonus_token], acceptance
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from beagle.decoding.kv_cache import DraftKeyCache
 
 
 @dataclass(frozen=True)
@@ -90,15 +89,17 @@ def _propose_children(log_q: torch.Tensor, phi: torch.Tensor, perturbed: torch.T
     return tokens, torch.gather(paths, 1, tokens), truncated
 
 
-def build_draft_tree(drafter: torch.nn.Module, cache: DraftKeyCache, root_token: int, root_position: int,
-                     config: DraftConfig, generator: torch.Generator | None = None) -> DraftTree:
-    """Draft a tree after the root token; the drafter's cache holds the true states of positions < root."""
-    true_keys, true_values = cache.keys, cache.values  # [1, H_kv, L, hd]
+def build_draft_tree(backend, root_token: int, root_position: int, config: DraftConfig,
+                     generator: torch.Generator | None = None) -> DraftTree:
+    """Draft a tree after the root token. `backend` (see `drafters.py`) wraps the drafter and its cache
+    of keys for the committed positions < root."""
+    true_keys, true_values = backend.keys(), backend.values()  # [1, H_kv, L, hd]
     device = true_keys.device
     num_true = true_keys.shape[-2]
     sample = config.temperature > 0
     scale = 1.0 / config.temperature if sample else 1.0
-    concatenate = config.concatenate and config.depth > 1
+    concatenate = backend.concatenate and config.depth > 1
+    parent_states = backend.root_parent_states()  # [1, q, d] or None
 
     # Every proposed node, in proposal order (id 0 = root): token, parent id, depth, ranking score.
     node_tokens = [torch.tensor([root_token], device=device)]
@@ -126,13 +127,14 @@ def build_draft_tree(drafter: torch.nn.Module, cache: DraftKeyCache, root_token:
             keys = torch.cat([true_keys, bank_keys], dim=-2)
             values = torch.cat([true_values, bank_values], dim=-2)
             mask = torch.cat([mask, query_bank_mask[None, None]], dim=-1)  # [1, 1, q, L + S]
-        hidden = drafter.forward_hidden(query_tokens[None], positions, keys, values, mask)  # [1, q, d]
-        log_q = torch.log_softmax(drafter.logits(hidden)[0].float() * scale, dim=-1)  # [q, V]
+        hidden, bank = backend.step(query_tokens[None], positions, parent_states, keys, values, mask,
+                                    need_bank=step + 1 < config.depth)  # [1, q, d]
+        log_q = torch.log_softmax(backend.logits(hidden)[0].float() * scale, dim=-1)  # [q, V]
         if sample:
             for row, node_id in enumerate(expanded_ids.tolist()):
                 draft_probs[node_id] = log_q[row].exp()
         if step + 1 < config.depth and concatenate:
-            new_keys, new_values = drafter.project_keys(hidden, positions)  # [1, H_kv, q, hd]
+            new_keys, new_values = bank  # [1, H_kv, q, hd] each: keys for the queries' descendants
             first_slot = 0 if bank_keys is None else bank_keys.shape[-2]
             bank_keys = new_keys if bank_keys is None else torch.cat([bank_keys, new_keys], dim=-2)
             bank_values = new_values if bank_values is None else torch.cat([bank_values, new_values], dim=-2)
@@ -159,6 +161,7 @@ def build_draft_tree(drafter: torch.nn.Module, cache: DraftKeyCache, root_token:
         best = torch.topk(scores, min(config.top_k, scores.numel())).indices.sort().values
         expanded_ids, query_tokens = ids[best], toks[best]
         phi, perturbed = paths[best], scores[best]
+        parent_states = hidden[:, parent_rows[best]]  # [1, k, d]
         if concatenate:
             query_bank_mask = visible_below[parent_rows[best]]
 

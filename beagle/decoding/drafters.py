@@ -1,0 +1,90 @@
+"""What the tree builder needs from a drafter, for the Beagle drafter and the EAGLE-2 baseline (spec §7).
+
+Both keep a cache of keys for the committed (true) positions and, while drafting, a bank of keys for drafted
+nodes that only the node's descendants see. They differ in what a key is and how a query is formed:
+
+* Beagle: keys are projected target states; a query is the token's embedding alone. A drafted state ĥ
+  becomes a key for descendants only with concatenation (`--no-concat` turns it off).
+* EAGLE-2: keys are fused fc([Emb(t_p), h_{p-1}]); a query fuses its token with its parent's state (true
+  h_n for the root, the parent's drafted state deeper) and also sees its own fused key, which is what its
+  descendants see. Feeding drafted states back is inherent to it.
+"""
+from __future__ import annotations
+
+import torch
+
+from beagle.decoding.kv_cache import DraftKeyCache
+
+
+class BeagleBackend:
+    def __init__(self, drafter: torch.nn.Module, concatenate: bool) -> None:
+        self.drafter = drafter
+        self.cache = DraftKeyCache(drafter)
+        self.concatenate = concatenate
+
+    def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """True states `[L, d]` of the tokens `[L]` at `positions` `[L]`, as the target produced them."""
+        self.cache.append(states, positions)
+
+    def keys(self) -> torch.Tensor:
+        return self.cache.keys
+
+    def values(self) -> torch.Tensor:
+        return self.cache.values
+
+    def root_parent_states(self) -> torch.Tensor | None:
+        return None
+
+    def step(self, tokens, positions, parent_states, keys, values, mask, need_bank: bool):
+        """Draft states `[1, q, d]` of the queries, and their keys for descendants (or None)."""
+        hidden = self.drafter.forward_hidden(tokens, positions, keys, values, mask)  # [1, q, d]
+        bank = self.drafter.project_keys(hidden, positions) if need_bank and self.concatenate else None
+        return hidden, bank
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drafter.logits(hidden)
+
+
+class Eagle2Backend:
+    concatenate = True
+
+    def __init__(self, drafter: torch.nn.Module) -> None:
+        from beagle.eagle2 import Eagle2KeyCache
+
+        self.drafter = drafter
+        self.cache = Eagle2KeyCache(drafter)
+
+    def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.cache.append(states, positions, tokens)
+
+    def _empty(self) -> torch.Tensor:
+        """No key yet (a one-token prompt: position 0 has no previous state)."""
+        config, state = self.drafter.config, self.cache.last_state
+        return state.new_zeros(1, config.num_key_value_heads, 0, config.head_dim)
+
+    def keys(self) -> torch.Tensor:
+        return self._empty() if self.cache.keys is None else self.cache.keys
+
+    def values(self) -> torch.Tensor:
+        return self._empty() if self.cache.values is None else self.cache.values
+
+    def root_parent_states(self) -> torch.Tensor:
+        return self.cache.last_state[None, None]  # [1, 1, d]: h_n, fused with the root token
+
+    def step(self, tokens, positions, parent_states, keys, values, mask, need_bank: bool):
+        hidden, own_keys, own_values = self.drafter.draft_step(tokens, positions, parent_states.to(keys.dtype),
+                                                               keys, values, mask)
+        return hidden, (own_keys.to(keys.dtype), own_values.to(values.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drafter.logits(hidden)
+
+
+def draft_backend(drafter: torch.nn.Module, concatenate: bool = True):
+    """The backend for a drafter, by its `drafter_type` ("beagle" unless it says otherwise)."""
+    kind = getattr(drafter, "drafter_type", "beagle")
+    if kind == "eagle2":
+        return Eagle2Backend(drafter)
+    if kind == "beagle":
+        return BeagleBackend(drafter, concatenate)
+    raise ValueError(f"drafter_type={kind!r} has no decoding backend; expected 'beagle' or 'eagle2'")
