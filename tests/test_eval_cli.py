@@ -131,3 +131,22 @@ def test_eval_with_a_reduced_draft_vocabulary(setup, tmp_path):
     result = CliRunner().invoke(main, base + ["--draft-vocab-store", store])
     assert result.exit_code == 0, result.output
     assert "outputs match plain greedy decoding" in result.output
+
+
+@pytest.mark.slow
+def test_eval_runs_an_eagle2_baseline_drafter(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from beagle.eagle2 import Eagle2Drafter
+    from beagle.model import DrafterConfig
+
+    root, prompts, _ = setup
+    target = AutoModelForCausalLM.from_pretrained(root / "target")
+    drafter = Eagle2Drafter(DrafterConfig.from_architecture(target.config.to_dict()),
+                            target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    save_drafter(tmp_path / "drafter", drafter, metadata={})
+    result = CliRunner().invoke(main, ["eval", "--model", str(root / "target"), "--drafter", str(tmp_path / "drafter"),
+                                       "--prompts", str(prompts), "--max-new-tokens", "12", "--depth", "3",
+                                       "--top-k", "3", "--total-tokens", "8", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "outputs match plain greedy decoding" in result.output
