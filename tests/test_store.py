@@ -256,3 +256,12 @@ def test_fp8_store_halves_the_bytes_and_stays_close(tmp_path):
     # d=24 here, so the 4-byte per-token scale is a visible share; at d=576 it is under 1%.
     assert state_bytes["fp8"] / state_bytes["bf16"] < (HIDDEN + 4) / (2 * HIDDEN) + 0.02
     assert verify_store(str(tmp_path / "fp8")).ok
+
+
+def test_tied_embedding_and_lm_head_are_stored(tmp_path):
+    shared = torch.randn(VOCAB, HIDDEN)
+    write_store(str(tmp_path / "s"), make_samples(2, torch.float32), head={"embed_tokens": shared, "lm_head": shared},
+                target={"name": "tied"}, tokenizer={}, capture={"layers": [-1], "dtype": "float32", "max_length": 8},
+                source={})
+    head = open_store(str(tmp_path / "s")).load_head()
+    assert torch.equal(head["embed_tokens"], shared) and torch.equal(head["lm_head"], shared)

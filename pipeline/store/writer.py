@@ -238,8 +238,9 @@ def write_head(url: str, *, embed_tokens: Any, lm_head: Any) -> None:
     if tuple(embed_tokens.shape) != tuple(lm_head.shape):
         raise StoreFormatError(f"embed_tokens {tuple(embed_tokens.shape)} and lm_head {tuple(lm_head.shape)} "
                                "must both be [vocab, hidden]")
-    payload = save({"embed_tokens": embed_tokens.detach().cpu().contiguous(),
-                    "lm_head": lm_head.detach().cpu().contiguous()})
+    # clone(): tied models (SmolLM2, Qwen2.5, Llama-3.2) share one matrix, which safetensors refuses.
+    payload = save({"embed_tokens": embed_tokens.detach().cpu().clone().contiguous(),
+                    "lm_head": lm_head.detach().cpu().clone().contiguous()})
     _write_bytes_atomic(fs, fmt.join(root, fmt.HEAD), payload)
 
 
