@@ -1,0 +1,96 @@
+"""Offline chain acceptance of a drafter on stored target states, the same rule for Beagle and EAGLE-2.
+
+For every root n of held-out samples the drafter drafts a chain of `depth` tokens from the true states
+h_0..h_n, feeding back its own states. Depth j is accepted when its draft top-1 equals the target's
+greedy token argmax LMHead(h_{n+j}) and every shallower depth was accepted; we also require that greedy
+token to be the data token, so the chain stays on the stored sequence (whose states we have).
+τ = 1 + mean accepted length (bonus token included), α_j = accepted at j ÷ accepted at j-1.
+It needs no target model and no decoding loop, so both drafters are measured identically.
+"""
+from __future__ import annotations
+
+import torch
+
+from beagle.data import StoreSet, collate
+from beagle.eagle2 import Eagle2Drafter
+from beagle.model import BeagleDrafter
+from beagle.stages import StageSettings, simulate
+
+
+def _beagle_chain_tokens(model: BeagleDrafter, batch, depth: int) -> dict[int, torch.Tensor]:
+    """{offset: draft top-1 [B, L] where row p holds the token drafted at p's depth in windows of `depth`}."""
+    settings = StageSettings(depth, depth, 0.0, 10.0, 8192, recompute=False)
+    out = {}
+    for offset in range(depth):
+        tokens = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
+        for _, q_pos, hidden in simulate(model, batch, offset, settings):
+            tokens[:, q_pos] = model.logits(hidden).argmax(-1)
+        out[offset] = tokens
+    return out
+
+
+def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int) -> dict[int, torch.Tensor]:
+    """Same layout for EAGLE-2: at step j every row p drafts depth j for the root n = p - j."""
+    B, L, d = batch.hidden.shape
+    pos = torch.arange(L)
+    positions = pos.expand(B, L)
+    previous = torch.cat([batch.hidden.new_zeros(B, 1, d), batch.hidden[:, :-1]], dim=1)
+    true_z = model.fuse(batch.input_ids, previous)
+    k0, v0 = model.project_fused(true_z, positions)
+    keys, values = [k0], [v0]
+    parent = previous
+    per_step = []
+    for step in range(1, depth + 1):
+        z = model.fuse(batch.input_ids, parent)
+        k, v = model.project_fused(z, positions)
+        keys.append(k)
+        values.append(v)
+        blocks = [(pos[None, :] <= pos[:, None] - step) & (pos[None, :] >= 1)]
+        blocks += [pos[None, :] == pos[:, None] - step + i for i in range(1, step + 1)]
+        valid = (pos[None, :] < batch.lengths[:, None]).repeat(1, step + 1)
+        mask = torch.cat(blocks, dim=1)[None, None] & valid[:, None, None, :]
+        hidden = model.attend(z, positions, torch.cat(keys, 2), torch.cat(values, 2), mask)  # [B, L, d]
+        per_step.append(model.logits(hidden).argmax(-1))
+        parent = torch.cat([hidden.new_zeros(B, 1, d), hidden[:, :-1]], dim=1)   # row p's parent: row p-1
+    out = {}
+    for offset in range(depth):
+        tokens = torch.full((B, L), -1, dtype=torch.long)
+        for step in range(1, depth + 1):
+            rows = torch.arange((offset + step - 1) % depth, L, depth)
+            tokens[:, rows] = per_step[step - 1][:, rows]
+        out[offset] = tokens
+    return out
+
+
+@torch.inference_mode()
+def chain_acceptance(model, store_url: str, *, depth: int = 5, samples: int = 16, limit: int = 512,
+                     first: int = 0) -> tuple[float, list[float]]:
+    """(τ, [α_1..α_depth]) over `samples` samples of the store starting at index `first`."""
+    data = StoreSet([store_url])
+    head = data.load_head()
+    indices = [i % len(data) for i in range(first, first + samples)]
+    accepted = [0] * (depth + 1)
+    roots = 0
+    lengths = []
+    for i in indices:
+        batch = collate([data.sample(i, limit)])
+        L = int(batch.lengths[0])
+        greedy = (batch.hidden @ head["lm_head"].float().T).argmax(-1)[0]           # [L]: target's next token
+        on_data = torch.zeros(L, dtype=torch.bool)
+        on_data[:-1] = greedy[:-1] == batch.input_ids[0, 1:]
+        chains = (_eagle2_chain_tokens if isinstance(model, Eagle2Drafter) else _beagle_chain_tokens)(
+            model, batch, depth)
+        for offset, drafted in chains.items():
+            for n in range(offset - 1, L - depth - 1, depth):
+                if n < 0:
+                    continue
+                roots += 1
+                a = 0
+                while a < depth and drafted[0, n + a + 1] == greedy[n + a + 1] and on_data[n + a + 1]:
+                    a += 1
+                lengths.append(a)
+                for j in range(a + 1):
+                    accepted[j] += 1
+    tau = 1.0 + sum(lengths) / max(1, len(lengths))
+    alphas = [accepted[j] / accepted[j - 1] if accepted[j - 1] else 0.0 for j in range(1, depth + 1)]
+    return tau, alphas

@@ -1,0 +1,61 @@
+"""Shared by the bench scripts: demo paths, the result record the driver collects, machine facts.
+
+Every bench script measures its figure side by side in one run, prints it, and with `--json PATH`
+writes one record {figure, name, ratio, target, op, met, value_text, settings, why} that
+`bench/run_all.py` turns into a row of docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = Path(os.environ.get("BEAGLE_DEMO_CACHE", ROOT / ".cache" / "demo"))
+DEMO_MODEL = DEMO / "model"
+DEMO_SHAREGPT = DEMO / "sharegpt" / "sharegpt.jsonl"
+DEMO_QUESTIONS = DEMO / "mtbench" / "question.jsonl"
+
+
+def cli(*args: str, quiet: bool = True) -> subprocess.CompletedProcess:
+    """Run `beagle-pipeline ARGS` in a subprocess (the real CLI, as a user would) and fail loudly."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-c", "from pipeline.cli import main; main(prog_name='beagle-pipeline')", *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=quiet, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or "")[-2000:] if quiet else ""
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {done.returncode}:\n{tail}")
+    return done
+
+
+def require_demo() -> None:
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise SystemExit(f"demo cache missing at {DEMO}; run `beagle-pipeline prepare-demo` first")
+
+
+def record(figure: str, name: str, ratio: float, target: float, op: str, value_text: str,
+           settings: dict[str, Any], why: str = "") -> dict[str, Any]:
+    met = ratio >= target if op == ">=" else ratio <= target
+    return {"figure": figure, "name": name, "ratio": ratio, "target": target, "op": op, "met": bool(met),
+            "value_text": value_text, "settings": settings, "why": "" if met else why}
+
+
+def emit(records: list[dict[str, Any]], json_path: str | None) -> None:
+    for r in records:
+        status = "met" if r["met"] else "MISSED"
+        print(f"{r['figure']} {r['name']}: {r['ratio']:.3f} (target {r['op']} {r['target']}) {status}; {r['value_text']}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} CPU cores, {gpu}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -1,0 +1,57 @@
+"""The bench driver's pieces that do not time anything: records, the docs rewrite, offline acceptance."""
+import torch
+
+from bench.acceptance import chain_acceptance, _eagle2_chain_tokens
+from bench.common import record
+from bench.run_all import BEGIN, END, render, write_docs
+from beagle.data import StoreSet, collate
+from beagle.eagle2 import Eagle2Drafter, Eagle2KeyCache
+from beagle.model import BeagleDrafter, DrafterConfig
+from tests.tiny_store import build_tiny_store
+
+
+def test_record_marks_missed_targets_with_their_reason():
+    assert record("P1", "x", 0.97, 0.95, ">=", "", {}, why="slow")["met"]
+    missed = record("P4", "x", 1.4, 1.15, "<=", "", {}, why="rows grow")
+    assert not missed["met"] and missed["why"] == "rows grow"
+
+
+def test_docs_rewrite_keeps_everything_outside_the_markers(tmp_path):
+    doc = tmp_path / "b.md"
+    doc.write_text(f"# B\nkept above\n{BEGIN}\nold table\n{END}\nkept below\n")
+    block = render([record("P3", "read", 0.8, 0.5, ">=", "0.8 GB/s", {"tokens": 5})], ["cmd"], True, 60.0)
+    write_docs(doc, block)
+    text = doc.read_text()
+    assert "kept above" in text and "kept below" in text and "old table" not in text
+    assert "| P3 read | 0.800 | >= 0.5 | yes |" in text and text.count(BEGIN) == 1
+    write_docs(doc, block)
+    assert doc.read_text() == text
+
+
+def test_offline_eagle2_chain_matches_the_decode_time_cache(tmp_path):
+    url = build_tiny_store(tmp_path / "s", num_samples=2, min_len=14, max_len=14)
+    data = StoreSet([url])
+    head = data.load_head()
+    torch.manual_seed(0)
+    model = Eagle2Drafter(DrafterConfig.from_architecture(data.target["architecture"]), head["embed_tokens"],
+                          head["lm_head"]).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    batch = collate([data.sample(0, 100)])
+    depth, n = 3, 5
+    with torch.no_grad():
+        offline = _eagle2_chain_tokens(model, batch, depth)[(n + 1) % depth][0]
+        cache = Eagle2KeyCache(model)
+        ids, states = batch.input_ids[0], batch.hidden[0]
+        cache.append(states[:n + 1], torch.arange(n + 1), ids[:n + 1])
+        keys, values, parent = cache.keys, cache.values, cache.last_state[None, None]
+        for j in range(1, depth + 1):
+            p = n + j
+            mask = torch.ones(1, 1, 1, keys.shape[-2], dtype=torch.bool)
+            hidden, k, v = model.draft_step(ids[None, p:p + 1], torch.tensor([[p]]), parent, keys, values, mask)
+            assert int(model.logits(hidden).argmax()) == int(offline[p])
+            keys, values, parent = torch.cat([keys, k], -2), torch.cat([values, v], -2), hidden
+    beagle = BeagleDrafter(DrafterConfig.from_architecture(data.target["architecture"]), head["embed_tokens"],
+                           head["lm_head"]).eval()
+    tau, alphas = chain_acceptance(beagle, url, depth=3, samples=2)
+    assert 1.0 <= tau <= 4.0 and len(alphas) == 3
