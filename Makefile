@@ -37,5 +37,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m "not slow" tests
 
+# Every figure in docs/benchmarks.md, measured side by side on the demo model; rewrites its generated table.
+bench: $(DEMO_STAMP)
+	RAY_AUTH_MODE=disabled $(PY) bench/run_all.py
+
+bench-quick: $(DEMO_STAMP)
+	RAY_AUTH_MODE=disabled $(PY) bench/run_all.py --quick
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,7 +7,7 @@ setup(
     description="Extract target-LLM hidden states into a feature store, train a Beagle drafter, evaluate it.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # tomllib for --config TOML files
     packages=find_packages(include=["pipeline", "pipeline.*", "beagle", "beagle.*", "jobs", "jobs.*"]),
     install_requires=[
         # torch is a runtime requirement as a range; the dev/CI path pins the CPU build (see Makefile).
