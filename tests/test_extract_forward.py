@@ -97,3 +97,16 @@ def test_shard_actor_works_without_ray_on_a_hand_built_batch(tmp_path, target, s
         assert torch.equal(item["hidden_states"].view(torch.int16), expected[i].view(torch.int16))  # bit-exact
     head = store.load_head()
     assert torch.equal(head["lm_head"], actor.forward.model.lm_head.weight.detach())
+
+
+def test_a_tied_lm_head_is_stored_as_its_own_tensor(tmp_path):
+    from safetensors.torch import load_file
+
+    from pipeline.store import write_head
+    forward = TargetForward(ForwardConfig(str(build_target(tmp_path / "tied", tied=True)), dtype="float32"))
+    head = forward.head()
+    assert head["lm_head"].data_ptr() != head["embed_tokens"].data_ptr()
+    (tmp_path / "store").mkdir()
+    write_head(str(tmp_path / "store"), **head)
+    loaded = load_file(str(tmp_path / "store" / "head.safetensors"))
+    assert torch.equal(loaded["lm_head"], loaded["embed_tokens"])

@@ -60,24 +60,26 @@ def build_tokenizer(directory: str | Path, *, template: str = "chatml_generation
     return fast
 
 
-def tiny_config(vocab_size: int = VOCAB_SIZE) -> LlamaConfig:
+def tiny_config(vocab_size: int = VOCAB_SIZE, *, tied: bool = False) -> LlamaConfig:
     return LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=512,
-                       tie_word_embeddings=False)
+                       tie_word_embeddings=tied)
 
 
-def build_model(directory: str | Path, *, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> LlamaForCausalLM:
-    """A random tiny Llama in fp32, saved as safetensors."""
+def build_model(directory: str | Path, *, seed: int = 0, vocab_size: int = VOCAB_SIZE,
+                tied: bool = False) -> LlamaForCausalLM:
+    """A random tiny Llama in fp32, saved as safetensors (`tied`: LM head shares the embedding)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(vocab_size)).eval()
+    model = LlamaForCausalLM(tiny_config(vocab_size, tied=tied)).eval()
     model.save_pretrained(str(directory))
     return model
 
 
-def build_target(directory: str | Path, *, template: str = "chatml_generation", seed: int = 0) -> Path:
+def build_target(directory: str | Path, *, template: str = "chatml_generation", seed: int = 0,
+                 tied: bool = False) -> Path:
     """A complete local target (model + tokenizer) in `directory`; returns the path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory, template=template)
-    build_model(directory, seed=seed, vocab_size=max(VOCAB_SIZE, len(tokenizer)))
+    build_model(directory, seed=seed, vocab_size=max(VOCAB_SIZE, len(tokenizer)), tied=tied)
     return directory

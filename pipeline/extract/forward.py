@@ -117,8 +117,11 @@ class TargetForward:
 
     def head(self) -> dict[str, torch.Tensor]:
         """The frozen embedding and LM head weights ([V, d] each) the drafter reuses."""
-        return {"embed_tokens": self.model.get_input_embeddings().weight.detach().cpu(),
-                "lm_head": self.model.get_output_embeddings().weight.detach().cpu()}
+        embed = self.model.get_input_embeddings().weight.detach().cpu()
+        lm_head = self.model.get_output_embeddings().weight.detach().cpu()
+        if lm_head.data_ptr() == embed.data_ptr():  # tied (SmolLM2 and most small models): two tensors on disk
+            lm_head = lm_head.clone()
+        return {"embed_tokens": embed, "lm_head": lm_head}
 
     @torch.inference_mode()
     def forward_batch(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:

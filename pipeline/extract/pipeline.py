@@ -39,6 +39,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     batch_tokens: int = 16384
     num_workers: int | None = None  # None: one per GPU, or one CPU actor
+    threads: int | None = None  # torch threads per CPU actor; None: cores // workers on a local Ray
     address: str | None = None  # None: start a local Ray
     limit: int | None = None
     overwrite: bool = False
@@ -206,7 +207,7 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
     workers = config.num_workers or max(1, gpus)
     workers = min(workers, len(shards))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
-    threads = None if (gpus or joined) else max(1, (os.cpu_count() or 1) // workers)
+    threads = config.threads or (None if (gpus or joined) else max(1, (os.cpu_count() or 1) // workers))
     forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
                                    dtype=config.dtype, batch_tokens=config.batch_tokens, threads=threads,
                                    trust_remote_code=config.trust_remote_code)
