@@ -26,10 +26,21 @@ class Batch:
     loss_mask: Tensor      # [B, L] bool, False on padding
     hidden: Tensor         # [B, L, d] float32 target states (the layer the LM head reads)
     lengths: Tensor        # [B] int64 true lengths
+    row_start: int = 0                # data parallel: first row of this micro-batch in the global batch
+    global_rows: int | None = None    # rows of the global batch (None: this batch is the global batch)
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.input_ids, self.loss_mask, self.hidden, self.lengths)))
+                       (self.input_ids, self.loss_mask, self.hidden, self.lengths)),
+                     self.row_start, self.global_rows)
+
+    def noise(self, generator: torch.Generator | None, draw: Any = torch.randn) -> Tensor:
+        """[B, L, d] noise drawn for the whole global batch, keeping this micro-batch's rows: every rank
+        advances the generator alike and each row gets the noise a single-process run gives it."""
+        B, L, d = self.hidden.shape
+        rows = B if self.global_rows is None else self.global_rows
+        full = draw((rows, L, d), generator=generator, device=self.hidden.device, dtype=self.hidden.dtype)
+        return full[self.row_start:self.row_start + B]                          # [B, L, d]
 
     @property
     def tokens(self) -> int:
@@ -49,11 +60,11 @@ def _describe(store_url: str, target: dict) -> str:
 class StoreSet:
     """One or more stores of the same target, read as one list of samples."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], *, cache_dir: str | None = None) -> None:
         if not urls:
             raise ValueError("no --store given; pass at least one feature store written by `extract`")
         self.urls = [str(u) for u in urls]
-        self.stores = [open_store(u) for u in self.urls]
+        self.stores = [open_store(u, cache_dir=cache_dir) for u in self.urls]
         first = self.stores[0]
         for url, store in zip(self.urls[1:], self.stores[1:]):
             if fingerprint(store.target) != fingerprint(first.target):
@@ -135,10 +146,12 @@ def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int,
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def collate(samples: list[tuple[Tensor, Tensor, Tensor]]) -> Batch:
+def collate(samples: list[tuple[Tensor, Tensor, Tensor]], *, pad_to: int = 0, hidden_size: int = 0) -> Batch:
+    """Pad to the longest sample (or `pad_to` if longer: data-parallel micro-batches share the global
+    batch's length). `hidden_size` gives the width when `samples` is empty."""
     B = len(samples)
-    L = max(int(s[0].shape[0]) for s in samples)
-    d = samples[0][2].shape[-1]
+    L = max([int(s[0].shape[0]) for s in samples] + [pad_to])
+    d = samples[0][2].shape[-1] if samples else hidden_size
     ids = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.bool)
     hidden = torch.zeros(B, L, d, dtype=torch.float32)
@@ -151,13 +164,27 @@ def collate(samples: list[tuple[Tensor, Tensor, Tensor]]) -> Batch:
 
 class Loader:
     """Yields (batch_index, Batch, wait_seconds) from `start`, reading the next batch in a thread
-    while the current one trains. wait_seconds is how long the trainer waited for data."""
+    while the current one trains. wait_seconds is how long the trainer waited for data.
 
-    def __init__(self, data: StoreSet, plan: list[list[int]], *, limit: int, start: int = 0) -> None:
-        self.data, self.plan, self.limit, self.start = data, plan, limit, start
+    shard=(rank, world_size): read only this rank's contiguous slice of each batch (data parallel)."""
+
+    def __init__(self, data: StoreSet, plan: list[list[int]], *, limit: int, start: int = 0,
+                 shard: tuple[int, int] = (0, 1)) -> None:
+        self.data, self.plan, self.limit, self.start, self.shard = data, plan, limit, start, shard
 
     def _read(self, index: int) -> Batch:
-        return collate([self.data.sample(i, self.limit) for i in self.plan[index]])
+        rows = self.plan[index]
+        rank, world = self.shard
+        if world == 1:
+            return collate([self.data.sample(i, self.limit) for i in rows])
+        from beagle.distributed import shard_bounds
+
+        lo, hi = shard_bounds(len(rows), rank, world)
+        longest = max(min(int(self.data.lengths[i]), self.limit) for i in rows)
+        batch = collate([self.data.sample(i, self.limit) for i in rows[lo:hi]], pad_to=longest,
+                        hidden_size=self.data.hidden_size)
+        batch.row_start, batch.global_rows = lo, len(rows)
+        return batch
 
     def __iter__(self) -> Iterator[tuple[int, Batch, float]]:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="beagle-data") as pool:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from beagle.distributed import global_sum
+
 
 # Under CUDA autocast, run backward with the same autocast state as forward (bf16 matmuls).
 _custom_fwd = torch.amp.custom_fwd(device_type="cuda")
@@ -122,6 +124,7 @@ def drafter_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: T
     correct = torch.zeros(num_depths, dtype=torch.long, device=hidden.device).index_add(
         0, index, (arg_q == arg_t).long())
     count = torch.bincount(index, minlength=num_depths)
+    w_sum = global_sum(w_sum)   # data parallel: the global batch's weights, so per-rank losses add up
     if depth_weights is None:
         total = w_sum.sum().clamp_min(1e-12)
         token, regression = token_sum.sum() / total, reg_sum.sum() / total

@@ -46,8 +46,7 @@ def noisy_keys(model: BeagleDrafter, batch: Batch, noise_std: float,
     B, L, d = batch.hidden.shape
     states = batch.hidden
     if noise_std > 0:
-        noise = torch.randn(states.shape, generator=generator, device=states.device, dtype=states.dtype)
-        states = states + noise_std * noise                                      # [B, L, d]
+        states = states + noise_std * batch.noise(generator)                                      # [B, L, d]
     positions = torch.arange(L, device=states.device).expand(B, L)
     k, v = model.project_keys(states, positions)
     return k, v, positions

@@ -5,6 +5,7 @@ run_config.json, metrics.jsonl (one line per step), checkpoints/, drafter/ (the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from beagle import distributed
 from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
 from beagle.eagle2 import Eagle2Drafter, eagle2_loss
@@ -79,11 +81,22 @@ def _trim_metrics(path: Path, last_step: int) -> None:
 
 
 def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume: bool = False,
-          on_step: Callable[[dict[str, Any], int], None] | None = None, draw_curves: bool = True) -> TrainResult:
+          on_step: Callable[[dict[str, Any], int], None] | None = None, draw_curves: bool = True,
+          cache_dir: str | None = None) -> TrainResult:
     """Train a drafter on `stores` into `run_dir`. `on_step(metrics, total_steps)` is called after each
-    optimizer step (the CLI drives a progress bar with it)."""
-    run_dir = Path(run_dir)
-    data = StoreSet(stores)
+    optimizer step (the CLI drives a progress bar with it). `cache_dir` caches remote stores' files.
+
+    Under torchrun or Ray Train every rank calls this; DDP over disjoint slices of each global batch
+    (beagle.distributed), and only rank 0 writes run files and calls `on_step`."""
+    with distributed.session(config.device) as ctx:
+        return _train(stores, Path(run_dir), config, resume=resume, on_step=on_step if ctx.is_main else None,
+                      draw_curves=draw_curves, cache_dir=cache_dir, ctx=ctx)
+
+
+def _train(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: bool,
+           on_step: Callable[[dict[str, Any], int], None] | None, draw_curves: bool, cache_dir: str | None,
+           ctx: distributed.DistContext) -> TrainResult:
+    data = StoreSet(stores, cache_dir=cache_dir)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise ValueError(f"--resume given but {run_dir}/checkpoints holds no complete checkpoint; "
@@ -93,7 +106,8 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
     if resume:
         config = _check_resume(run_dir, json.loads((run_dir / RUN_CONFIG).read_text()), data, config)
 
-    device = pick_device(config.device)
+    distributed.barrier(ctx)  # every rank has checked run_dir before rank 0 writes into it
+    device = distributed.rank_device(pick_device(config.device), ctx)
     autocast = device.type == "cuda" and config.bf16
     drafter_config = DrafterConfig.from_architecture(data.target["architecture"])
     if data.hidden_size != drafter_config.hidden_size:
@@ -115,8 +129,9 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
         "state_rms": state_rms, "noise_std_relative": config.noise_std,
         "noise_std_absolute": config.noise_std * state_rms,
     }
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RUN_CONFIG).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_CONFIG).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
     settings = StageSettings(config.window_size, config.simulation_steps, config.noise_std * state_rms,
                              config.regression_weight, config.vocab_chunk, config.detach_feedback,
                              config.stage2_recompute)
@@ -125,7 +140,8 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, generator=generator)
         step, phase, start_batch = state["step"], state["position"]["epoch"], state["position"]["batch"]
-        _trim_metrics(run_dir / METRICS, step)
+        if ctx.is_main:
+            _trim_metrics(run_dir / METRICS, step)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", checkpoint, step, phase, start_batch)
 
     phases = _phases(config)
@@ -141,8 +157,10 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
         return config.lr * min(1.0, (s + 1) / config.warmup_steps) if config.warmup_steps else config.lr
 
     model.train()
+    run_loss = distributed.loss_runner(model, ctx)
     position = {"epoch": phase, "batch": start_batch}
-    with (run_dir / METRICS).open("a", encoding="utf-8") as metrics_file:
+    metrics_cm = (run_dir / METRICS).open("a", encoding="utf-8") if ctx.is_main else contextlib.nullcontext()
+    with metrics_cm as metrics_file:
         while position["epoch"] < len(phases) and step < total:
             phase = position["epoch"]
             stage = phases[phase]
@@ -150,7 +168,8 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
             if config.drafter == "eagle2":  # one teacher-forced loss for every epoch (spec §7)
                 loss_fn = eagle2_loss
             position = {"epoch": phase + 1, "batch": 0}  # where to go if this epoch has no batch left
-            for batch_index, batch, wait in Loader(data, plans[phase], limit=limit, start=start_batch):
+            for batch_index, batch, wait in Loader(data, plans[phase], limit=limit, start=start_batch,
+                                                   shard=(ctx.rank, ctx.world_size)):
                 if step >= total:
                     position = {"epoch": phase, "batch": batch_index}
                     break
@@ -160,33 +179,36 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    result = loss_fn(model, batch, offset, settings, generator)
+                    result = run_loss(loss_fn, batch, offset, settings, generator)
                 optimizer.zero_grad(set_to_none=True)
-                result.loss.backward()
+                (result.loss * ctx.world_size).backward()  # DDP averages gradients over ranks
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                 optimizer.step()
                 step += 1
                 done = batch_index + 1 == len(plans[phase])
                 position = {"epoch": phase + 1, "batch": 0} if done else {"epoch": phase, "batch": batch_index + 1}
+                stats = distributed.step_stats(result, batch.tokens, ctx)  # the global batch's
                 compute = time.perf_counter() - t0
                 last = {
-                    "step": step, "stage": stage, "epoch": phase, "loss": float(result.loss.detach()),
-                    "token_loss": float(result.token_loss.detach()),
-                    "regression_loss": float(result.regression_loss.detach()),
-                    "accuracy": [c / n if n else None for c, n in zip(result.correct, result.count)],
-                    "rows": result.count, "tokens": batch.tokens, "lr": lr_at(step - 1),
-                    "grad_norm": float(grad_norm), "tokens_per_s": batch.tokens / max(compute + wait, 1e-9),
+                    "step": step, "stage": stage, "epoch": phase, "loss": stats.loss,
+                    "token_loss": stats.token_loss, "regression_loss": stats.regression_loss,
+                    "accuracy": [c / n if n else None for c, n in zip(stats.correct, stats.count)],
+                    "rows": stats.count, "tokens": stats.tokens, "lr": lr_at(step - 1),
+                    "grad_norm": float(grad_norm), "tokens_per_s": stats.tokens / max(compute + wait, 1e-9),
                     "data_wait_fraction": wait / max(compute + wait, 1e-9),
                 }
-                metrics_file.write(json.dumps(last) + "\n")
-                metrics_file.flush()
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(last) + "\n")
+                    metrics_file.flush()
                 if on_step is not None:
                     on_step(last, total)
-                if step % config.checkpoint_every == 0 or step == total:
+                if ctx.is_main and (step % config.checkpoint_every == 0 or step == total):
                     save_checkpoint(run_dir, step=step, model=model, optimizer=optimizer, generator=generator,
                                     position=position)
                     last_saved = step
             start_batch = 0
+    if not ctx.is_main:
+        return TrainResult(run_dir, step, last)
     if last_saved != step:
         save_checkpoint(run_dir, step=step, model=model, optimizer=optimizer, generator=generator,
                         position=position)
