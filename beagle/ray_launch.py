@@ -7,6 +7,7 @@ slices of each global batch (beagle.distributed). This is the only beagle module
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -66,7 +67,13 @@ def launch(stores: list[str], run_dir: str | Path, config: Any, *, num_workers: 
         )
         log.info("Ray Train: %d workers, use_gpu=%s", num_workers, use_gpu)
         result = trainer.fit()
-        return dict(result.metrics or {})
+        final = dict(result.metrics or {})
+        metrics = run_dir / "metrics.jsonl"  # rank 0's log, when the driver shares its file system
+        if not final and metrics.is_file():
+            lines = metrics.read_text(encoding="utf-8").splitlines()
+            last = json.loads(lines[-1]) if lines else {}
+            final = {"steps": last.get("step"), "loss": last.get("loss")}
+        return final
     finally:
         if started:
             ray.shutdown()

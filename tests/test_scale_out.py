@@ -1,0 +1,52 @@
+"""Scale-out paths on one machine: training from a remote (fsspec) store through a local file cache."""
+import json
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from beagle.train_cli import train as train_command
+from beagle.train_config import TrainConfig
+from beagle.trainer import train
+from tests.tiny_store import build_tiny_store
+
+SMALL = dict(batch_tokens=160, lr=3e-3, warmup_steps=2, window_size=3, simulation_steps=2, vocab_chunk=128,
+             stage1_epochs=1, stage2_epochs=1, device="cpu", max_steps=3)
+
+
+@pytest.fixture()
+def remote_store(tmp_path):
+    """A store published to fsspec's in-memory filesystem (a non-local implementation, like s3://)."""
+    local = build_tiny_store(tmp_path / "local", num_samples=8)
+    fs = fsspec.filesystem("memory")
+    root = f"/published-{tmp_path.name}/store"
+    fs.put(local + "/", root, recursive=True)
+    yield local, f"memory://{root}"
+    fs.rm(root, recursive=True)
+
+
+def test_training_from_a_memory_store_with_a_cache_dir(remote_store, tmp_path):
+    local, url = remote_store
+    cache = tmp_path / "cache"
+    result = CliRunner().invoke(train_command, [
+        "--store", url, "--out", str(tmp_path / "remote"), "--cache-dir", str(cache), "--no-progress",
+        "--config", _config(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "trained 3 steps" in result.output
+    cached = [p for p in cache.rglob("*") if p.is_file()]
+    assert cached, "the remote store's files should have been cached locally"
+    train([local], tmp_path / "local-run", TrainConfig(**SMALL), draw_curves=False)
+    a = load_file(str(tmp_path / "remote" / "drafter" / "model.safetensors"))
+    b = load_file(str(tmp_path / "local-run" / "drafter" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # same data, same run
+    run_config = json.loads((tmp_path / "remote" / "run_config.json").read_text())
+    assert run_config["stores"] == [url]
+
+
+def _config(tmp_path: Path) -> str:
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(SMALL))
+    return str(path)
