@@ -62,6 +62,7 @@ class Prepared:
     tokenizer: Any
     layers: list[int]
     hidden_size: int
+    vocab_size: int
     read: ReadResult
     samples: list[dict] = field(default_factory=list)  # tokenized, input order
     rejects: list[dict] = field(default_factory=list)
@@ -94,7 +95,8 @@ def prepare(config: ExtractConfig) -> Prepared:
     if any(r.messages is not None for r in read.records) and not isinstance(tokenizer.chat_template, str):
         raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
                          "conversations; add a chat_template to tokenizer_config.json")
-    return Prepared(config, tokenizer, layers, int(text_config["hidden_size"]), read)
+    return Prepared(config, tokenizer, layers, int(text_config["hidden_size"]),
+                    int(text_config.get("vocab_size") or len(tokenizer)), read)
 
 
 def tokenize_all(prepared: Prepared, *, use_ray: bool) -> None:
@@ -131,11 +133,11 @@ def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
             "capture": capture, "source": {"files": prepared.read.sources}}
 
 
-def estimate_store_bytes(prepared: Prepared, tokens: int) -> int:
-    """Hidden states dominate: tokens x layers x d x dtype size, plus ids/mask and the head."""
+def estimate_store_bytes(prepared: Prepared, tokens: int) -> tuple[int, int]:
+    """(total, head): tokens x (layers x d x dtype size + 5 for ids and mask), plus the [V, d] head twice."""
     element = DTYPES[prepared.config.dtype].itemsize
-    vocab = len(prepared.tokenizer)
-    return tokens * (len(prepared.layers) * prepared.hidden_size * element + 5) + 2 * vocab * prepared.hidden_size * element
+    head = 2 * prepared.vocab_size * prepared.hidden_size * element
+    return tokens * (len(prepared.layers) * prepared.hidden_size * element + 5) + head, head
 
 
 def _sorted_rejects(prepared: Prepared) -> list[dict]:
@@ -160,7 +162,7 @@ def dry_run(config: ExtractConfig) -> ExtractSummary:
     tokenize_all(prepared, use_ray=False)
     summary = _base_summary(prepared, "")
     summary.dry_run = True
-    summary.store_bytes = estimate_store_bytes(prepared, summary.tokens)
+    summary.store_bytes, summary.head_bytes = estimate_store_bytes(prepared, summary.tokens)
     return summary
 
 
@@ -250,7 +252,7 @@ def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> E
         return ExtractSummary(dataset_id=dataset_id, samples=counts["samples"], tokens=counts["tokens"],
                               loss_tokens=counts["loss_tokens"], rejected_by_reason=counts["rejected_by_reason"],
                               shards=len(store.manifest["shards"]), shards_resumed=len(store.manifest["shards"]),
-                              store_bytes=_store_bytes(url), state="complete",
+                              store_bytes=_store_bytes(url), head_bytes=_head_bytes(url), state="complete",
                               seconds=time.perf_counter() - started)
     owned = _connect_ray(config)
     _quiet_ray_data()
@@ -295,7 +297,7 @@ def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> E
     summary.shards, summary.shards_resumed, summary.state = len(shards), len(done), state
     summary.actors = len(prepared.actor_pids)
     summary.actor_seconds, summary.actor_forward_seconds = prepared.actor_seconds, prepared.actor_forward_seconds
-    summary.store_bytes = _store_bytes(url)
+    summary.store_bytes, summary.head_bytes = _store_bytes(url), _head_bytes(url)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -304,3 +306,9 @@ def _store_bytes(url: str) -> int:
     from pipeline.store import format as fmt
     fs, root = fmt.open_fs(url)
     return int(sum(fs.du(root, total=False).values()))
+
+
+def _head_bytes(url: str) -> int:
+    from pipeline.store import format as fmt
+    fs, root = fmt.open_fs(url)
+    return int(fs.size(fmt.join(root, fmt.HEAD)))

@@ -19,6 +19,7 @@ class ExtractSummary:
     forward_seconds: float = 0.0  # wall time of the forward stage in this run
     seconds: float = 0.0
     store_bytes: int = 0
+    head_bytes: int = 0  # embedding + LM head: a fixed cost, left out of bytes/token
     actors: int = 0  # forward actors that committed shards in this run
     actor_seconds: float = 0.0  # busy time of the actors, summed over shards (forward + write)
     actor_forward_seconds: float = 0.0  # of which the forward alone
@@ -35,7 +36,7 @@ class ExtractSummary:
 
     @property
     def bytes_per_token(self) -> float:
-        return self.store_bytes / self.tokens if self.tokens else 0.0
+        return (self.store_bytes - self.head_bytes) / self.tokens if self.tokens else 0.0
 
     def lines(self) -> list[str]:
         size = f"{self.store_bytes / 2**20:,.1f} MiB"
@@ -48,13 +49,14 @@ class ExtractSummary:
             f"  tokens       {self.tokens:,} ({self.loss_tokens:,} loss tokens)",
         ]
         if self.dry_run:
-            lines.append(f"  est. size    {size} ({self.bytes_per_token:,.0f} bytes/token)")
+            lines.append(f"  est. size    {size} ({self.bytes_per_token:,.0f} bytes/token + head "
+                         f"{self.head_bytes / 2**20:,.1f} MiB)")
             return lines
         lines += [
             f"  shards       {self.shards:,} ({self.shards_resumed:,} kept from an earlier run, "
             f"{self.actors} forward actor(s) in this run)",
             f"  speed        {self.tokens_per_second:,.0f} tokens/s over {self.forward_tokens:,} tokens "
             f"forwarded in {self.forward_seconds:,.1f}s (total {self.seconds:,.1f}s)",
-            f"  store size   {size} ({self.bytes_per_token:,.0f} bytes/token)",
+            f"  store size   {size} ({self.bytes_per_token:,.0f} bytes/token + head {self.head_bytes / 2**20:,.1f} MiB)",
         ]
         return lines
