@@ -61,3 +61,15 @@ def test_bad_setups_fail_at_once_with_one_line_naming_them(target, chats, tmp_pa
     expected = {"data": "missing.jsonl: no such file", "weights": "no weight files",
                 "tokenizer": "cannot load its tokenizer", "layers": "--layers 7: out of range"}[case]
     assert expected in message and (case == "layers" or (model if case != "data" else data) in message)
+
+
+def test_the_ray_job_entry_point_runs_the_same_command(target, chats, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "jobs" / "extract.py"
+    result = subprocess.run([sys.executable, str(script), "--model", str(target), "--data", str(chats),
+                             "--out", str(tmp_path / "store"), "--dry-run", "--no-progress"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "samples      2" in result.stdout and "est. size" in result.stdout

@@ -104,9 +104,11 @@ class TargetForward:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         weight_files(config.model_path)
+        # On a GPU, load straight onto it (no full copy in host memory first). One GPU per actor.
         model = AutoModelForCausalLM.from_pretrained(
             config.model_path, dtype=DTYPES[config.dtype], local_files_only=True,
-            trust_remote_code=config.trust_remote_code)
+            trust_remote_code=config.trust_remote_code,
+            device_map=str(self.device) if self.device.type == "cuda" else None)
         self.model = model.eval().to(self.device)
         base = getattr(model, model.base_model_prefix, None)
         self.base = base if isinstance(base, torch.nn.Module) else model
