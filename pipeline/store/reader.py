@@ -1,14 +1,20 @@
 """Reading a feature store: O(1) random access to samples, zero-copy hidden states on local disk.
 
 `open_store(url)` refuses anything it cannot read correctly (no manifest, unknown major version,
-missing files, paths leaving the store) with one line naming the path and the fix. No pickle anywhere:
-tables are Arrow, hidden states Zarr, weights safetensors, metadata JSON.
+missing or wrongly sized files, paths or links leaving the store) with one line naming the path and the
+fix. No pickle anywhere: tables are Arrow, hidden states Zarr, weights safetensors, metadata JSON.
+
+`open_store(url, verify="first-read")` (what the trainer uses) also checks the manifest's identity at
+open and hashes each file the first time it is read, before any of its bytes are returned: a corrupted,
+truncated or foreign file raises StoreIntegrityError naming it. Training reads every byte in its first
+epoch anyway, so this costs one sha256 pass over data that is being read, not a second read of the store.
 """
 from __future__ import annotations
 
 import bisect
 import json
 import logging
+import threading
 from functools import cached_property
 from typing import Any
 
@@ -18,6 +24,7 @@ import pyarrow as pa
 
 from pipeline.store import format as fmt
 from pipeline.store import fp8
+from pipeline.store import integrity
 from pipeline.store.errors import StoreError, StoreFormatError, StoreNotFoundError
 from pipeline.store.zarr_io import map_hidden_array, zarr_store
 
@@ -33,9 +40,27 @@ class _Shard:
         self._store = store
         self.info = info
         self.directory = fmt.join(store.root, fmt.SHARDS_DIR, info["name"])
+        self._verified: set[str] = set()
+        self._verify_lock = threading.Lock()
+
+    def _verify(self, *, table: bool) -> None:
+        """verify="first-read": hash the files about to be read (the sample table, or everything else:
+        Zarr metadata and hidden-state arrays) once, before any of their bytes are used."""
+        if self._store.verify != integrity.VERIFY_FIRST_READ:
+            return
+        sample_file = f"{fmt.SHARDS_DIR}/{self.info['name']}/{fmt.SAMPLES_FILE}"
+        wanted = [rel for rel in sorted(self.info["files"]) if (rel == sample_file) == table]
+        with self._verify_lock:
+            for relative in wanted:
+                if relative not in self._verified:
+                    problem, _ = integrity.file_problem(self._store.fs, self._store.root, relative,
+                                                        self.info["files"][relative])
+                    integrity.raise_first([problem], self._store.url)
+                    self._verified.add(relative)
 
     @cached_property
     def table(self) -> dict[str, np.ndarray]:
+        self._verify(table=True)
         fs = self._store.fs
         path = fmt.join(self.directory, fmt.SAMPLES_FILE)
         source = pa.memory_map(path) if fmt.is_local(fs) else pa.BufferReader(fs.cat_file(path))
@@ -58,6 +83,7 @@ class _Shard:
     def hidden(self) -> list[Any]:
         """Per layer: a read-only memmap [tokens, d] on local disk, else a zarr array read by chunks."""
         store = self._store
+        self._verify(table=False)
         arrays = []
         for layer in store.layers:
             array_path = fmt.join(self.directory, fmt.hidden_array_name(layer))
@@ -77,6 +103,7 @@ class _Shard:
         """fp8 stores only: per layer, the per-token scales [tokens] float32 (read whole, 4 bytes/token)."""
         import zarr
 
+        self._verify(table=False)
         zstore = zarr_store(self._store.fs, self.directory, read_only=True)
         return [np.asarray(zarr.open_array(zstore, path=fmt.scale_array_name(layer), mode="r")[:])
                 for layer in self._store.layers]
@@ -101,8 +128,12 @@ class _Shard:
 class FeatureStore:
     """A complete, read-only feature store. `store[i]` gives one sample as torch tensors."""
 
-    def __init__(self, url: str, *, check_files: bool = True, cache_dir: str | None = None):
+    def __init__(self, url: str, *, check_files: bool = True, cache_dir: str | None = None,
+                 verify: str = integrity.VERIFY_NONE):
+        if verify not in integrity.VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: use one of {list(integrity.VERIFY_MODES)}")
         self.url = str(url)
+        self.verify = verify
         self.fs, self.root = fmt.open_fs(self.url)
         if cache_dir is not None and not fmt.is_local(self.fs):
             # Remote store: each file is fetched whole on first touch and kept in cache_dir, so epochs
@@ -112,8 +143,15 @@ class FeatureStore:
                                         check_files=False, same_names=False)
         self.manifest = _load_manifest(self.fs, self.root, self.url)
         _check_paths(self.manifest, self.url)
-        if check_files:
+        if check_files or verify != integrity.VERIFY_NONE:
             _check_files_present(self.fs, self.root, self.manifest, self.url)
+        if verify != integrity.VERIFY_NONE:
+            # Cheap checks first: a hand-edited manifest, counts that do not add up, small top-level files.
+            integrity.raise_first([integrity.identity_problem(self.manifest),
+                                   *integrity.count_problems(self.manifest)], self.url)
+            integrity.raise_first([integrity.file_problem(self.fs, self.root, relative, meta)[0]
+                                   for relative, meta in sorted(self.manifest["files"].items())
+                                   if relative != fmt.HEAD], self.url)  # the head is checked as it is read
         self._shards = [_Shard(self, info) for info in self.manifest["shards"]]
         self._starts = np.cumsum([0] + [info["samples"] for info in self.manifest["shards"]]).tolist()
 
@@ -190,10 +228,18 @@ class FeatureStore:
 
     def load_head(self) -> dict[str, Any]:
         """The frozen target weights: `embed_tokens` and `lm_head`, each [V, d]."""
-        from safetensors.torch import load
+        from safetensors.torch import load  # parses a JSON header and raw tensors: never executes code
 
         with self.fs.open(fmt.join(self.root, fmt.HEAD), "rb") as handle:
-            return load(handle.read())
+            payload = handle.read()
+        if self.verify != integrity.VERIFY_NONE:
+            integrity.raise_first([integrity.bytes_problem(fmt.HEAD, payload, self.manifest["files"][fmt.HEAD])],
+                                  self.url)
+        try:
+            return load(payload)
+        except Exception as error:  # safetensors raises its own error types for a damaged header
+            raise StoreFormatError(f"{self.url}/{fmt.HEAD} is not a valid safetensors file "
+                                   f"({type(error).__name__}: {error}); the store is damaged, rebuild it") from None
 
 
 def _as_tensor(array: Any, logical: str) -> Any:
@@ -204,27 +250,31 @@ def _as_tensor(array: Any, logical: str) -> Any:
     return tensor.view(torch.bfloat16) if logical == "bfloat16" else tensor
 
 
-def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = None) -> FeatureStore:
+def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = None,
+               verify: str = integrity.VERIFY_NONE) -> FeatureStore:
     """Open a complete store at a local path or fsspec URL. Raises StoreError with the fix on failure.
 
     cache_dir: for a remote store, a local folder that caches the blocks read (ignored for local stores).
+    verify: "none" (listed files present with the right size, if check_files), or "first-read": also the
+    manifest's identity at open, and each file's sha256 the first time it is read (StoreIntegrityError).
     """
-    return FeatureStore(url, check_files=check_files, cache_dir=cache_dir)
+    return FeatureStore(url, check_files=check_files, cache_dir=cache_dir, verify=verify)
 
 
 def _load_manifest(fs: Any, root: str, url: str) -> dict:
     path = fmt.join(root, fmt.MANIFEST)
     try:
         with fs.open(path, "rb") as handle:
-            manifest = json.loads(handle.read())
+            manifest = json.loads(handle.read())  # JSON only: a hostile manifest can describe, not execute
     except FileNotFoundError:
         if fs.exists(fmt.join(root, fmt.PENDING)):
             raise StoreNotFoundError(f"{url} is an unfinished store (no {fmt.MANIFEST}): rerun the same "
                                      "extract command to complete it") from None
         raise StoreNotFoundError(f"{url} is not a feature store: {fmt.MANIFEST} not found; "
                                  "check the path or build one with `beagle-pipeline extract`") from None
-    except ValueError as error:
-        raise StoreFormatError(f"{path} is not valid JSON ({error}); the store is damaged, rebuild it") from None
+    except (ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
+        raise StoreFormatError(f"{path} is not valid JSON ({type(error).__name__}); "
+                               "the store is damaged, rebuild it") from None
     if not isinstance(manifest, dict) or "schema_version" not in manifest:
         raise StoreFormatError(f"{path} has no schema_version; it is not a beagle-pipeline store")
     major = fmt.major_version(manifest["schema_version"])
@@ -234,15 +284,37 @@ def _load_manifest(fs: Any, root: str, url: str) -> dict:
     for key in ("dataset_id", "hidden_size", "layers", "dtype", "shards", "counts", "target", "files"):
         if key not in manifest:
             raise StoreFormatError(f"{path} lacks {key!r}; the store is damaged, rebuild it")
+    _check_types(manifest, path)
     fmt.storage_dtype(manifest["dtype"])
     return manifest
 
 
+def _check_types(manifest: dict, path: str) -> None:
+    """The structure the reader relies on, so that a damaged or hostile manifest fails here with one line
+    rather than as a TypeError deep inside a read."""
+    def entries_ok(files: Any) -> bool:
+        return isinstance(files, dict) and all(
+            isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and _is_int(meta.get("bytes"))
+            for meta in files.values())
+
+    ok = (isinstance(manifest["shards"], list) and isinstance(manifest["counts"], dict)
+          and isinstance(manifest["target"], dict) and entries_ok(manifest["files"])
+          and isinstance(manifest["layers"], list) and all(_is_int(x) for x in manifest["layers"])
+          and _is_int(manifest["hidden_size"]) and isinstance(manifest["dataset_id"], str)
+          and all(isinstance(s, dict) and isinstance(s.get("name"), str) and entries_ok(s.get("files"))
+                  and all(_is_int(s.get(k)) for k in ("index", "samples", "tokens", "loss_tokens"))
+                  for s in manifest["shards"]))
+    if not ok:
+        raise StoreFormatError(f"{path}: fields of the wrong type (shards, files, counts or layers); "
+                               "the manifest is damaged or hostile, do not use this store")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _listed_files(manifest: dict) -> list[str]:
-    files = list(manifest["files"])
-    for shard in manifest["shards"]:
-        files.extend(shard["files"])
-    return files
+    return list(integrity.listed_files(manifest))
 
 
 def _check_paths(manifest: dict, url: str) -> None:
@@ -255,11 +327,19 @@ def _check_paths(manifest: dict, url: str) -> None:
 
 
 def _check_files_present(fs: Any, root: str, manifest: dict, url: str) -> None:
-    present = {path[len(root) + 1:] for path in fs.find(root)} if fs.exists(root) else set()
-    for relative in _listed_files(manifest):
-        if relative not in present:
+    """Every listed file is present with its recorded size (one listing, no reads); on local disk none
+    is a link leading out of the store."""
+    found = fs.find(root, detail=True) if fs.exists(root) else {}
+    sizes = {path[len(root) + 1:]: info.get("size") for path, info in found.items()}
+    for relative, meta in integrity.listed_files(manifest).items():
+        if relative not in sizes:
             raise StoreNotFoundError(f"{url}: {relative} is missing; the store is incomplete or damaged "
                                      "(run `beagle-pipeline verify`, then rebuild the missing shard)")
+        link = integrity.link_problem(fs, root, relative)
+        if link:
+            raise StoreFormatError(f"{url}: {link}; do not use this store")
+        if sizes[relative] is not None:
+            integrity.raise_first([integrity.size_problem(relative, int(sizes[relative]), meta)], url)
 
 
 __all__ = ["FeatureStore", "StoreError", "open_store"]

@@ -9,9 +9,9 @@ import numpy as np
 
 from pipeline.store import format as fmt
 from pipeline.store import fp8
+from pipeline.store import integrity
 from pipeline.store.errors import StoreError
 from pipeline.store.reader import FeatureStore
-from pipeline.store.writer import store_identity
 
 log = logging.getLogger(__name__)
 
@@ -43,34 +43,22 @@ def verify_store(url: str, *, progress: Callable[[int], None] | None = None) -> 
         return report
     fs, root, manifest = store.fs, store.root, store.manifest
 
-    identity = store_identity(target=manifest.get("target"), tokenizer=manifest.get("tokenizer"),
-                              capture=manifest.get("capture"), source=manifest.get("source"))
-    if fmt.compute_dataset_id(identity) != manifest["dataset_id"]:
-        report.problems.append(f"{fmt.MANIFEST}: dataset_id does not match the recorded inputs "
-                               "(the manifest was edited)")
-    listed = dict(manifest["files"])
-    for shard in manifest["shards"]:
-        listed.update(shard["files"])
-    for relative, meta in sorted(listed.items()):
-        path = fmt.join(root, relative)
-        if not fs.exists(path):
-            report.problems.append(f"{relative}: missing")
-            continue
-        size = fs.size(path)
-        if size != meta["bytes"]:
-            report.problems.append(f"{relative}: {size} bytes, manifest says {meta['bytes']} (truncated or replaced)")
-        elif fmt.sha256_file(fs, path) != meta["sha256"]:
-            report.problems.append(f"{relative}: sha256 mismatch (corrupted or from another store)")
-        report.files_checked += 1
-        report.bytes_checked += size
-        if progress:
-            progress(size)
-
-    counts = manifest["counts"]
-    for key in ("samples", "tokens", "loss_tokens"):
-        total = sum(int(s[key]) for s in manifest["shards"])
-        if total != counts[key]:
-            report.problems.append(f"{fmt.MANIFEST}: counts.{key} is {counts[key]}, shards add up to {total}")
+    problem = integrity.identity_problem(manifest)
+    if problem:
+        report.problems.append(problem)
+    for relative, meta in sorted(integrity.listed_files(manifest).items()):
+        problem = integrity.link_problem(fs, root, relative)  # never read through a link leaving the store
+        size = 0
+        if problem is None:
+            problem, size = integrity.file_problem(fs, root, relative, meta)
+        if problem:
+            report.problems.append(problem)
+        if size:
+            report.files_checked += 1
+            report.bytes_checked += size
+            if progress:
+                progress(size)
+    report.problems.extend(integrity.count_problems(manifest))
     if report.problems:  # content checks below would only repeat checksum failures more noisily
         return report
     for shard in store._shards:

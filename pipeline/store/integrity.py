@@ -1,0 +1,114 @@
+"""Integrity checks shared by the reader (checks on open and on first read) and `verify` (all of them).
+
+One place computes what "this file is the one the manifest lists" and "the manifest is the one the
+producer wrote" mean, so that `verify`, `open_store(verify="first-read")` and the trainer agree.
+Each check returns a one-line problem naming the file (relative to the store root), or None.
+
+What they prove: a flipped or truncated byte, a missing or extra-replaced file, a shard copied in from
+another store and an identity section edited by hand are all detected. What they cannot prove: that a
+manifest whose checksums were rewritten to match forged files is authentic (the manifest is not signed).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+from pipeline.store import format as fmt
+from pipeline.store.errors import StoreFormatError
+
+# Modes of `open_store(verify=...)`.
+VERIFY_NONE = "none"
+VERIFY_FIRST_READ = "first-read"
+VERIFY_MODES = (VERIFY_NONE, VERIFY_FIRST_READ)
+
+
+def listed_files(manifest: dict) -> dict[str, dict]:
+    """Every file the manifest lists, `{relative path: {"sha256", "bytes"}}` (top-level files, then shards)."""
+    files = dict(manifest["files"])
+    for shard in manifest["shards"]:
+        files.update(shard["files"])
+    return files
+
+
+def identity_problem(manifest: dict) -> str | None:
+    """The dataset_id must be the hash of the identity facts the manifest records, and the copies of
+    those facts at the top level must agree with them: catches a manifest edited by hand."""
+    from pipeline.store.writer import store_identity
+
+    identity = store_identity(target=manifest.get("target"), tokenizer=manifest.get("tokenizer"),
+                              capture=manifest.get("capture"), source=manifest.get("source"))
+    if fmt.compute_dataset_id(identity) != manifest.get("dataset_id"):
+        return f"{fmt.MANIFEST}: dataset_id does not match the recorded inputs (the manifest was edited)"
+    capture = manifest.get("capture") or {}
+    for key in ("layers", "dtype"):
+        if key in capture and manifest.get(key) != capture[key]:
+            return (f"{fmt.MANIFEST}: {key} {manifest.get(key)!r} differs from capture.{key} {capture[key]!r} "
+                    "(the manifest was edited)")
+    return None
+
+
+def count_problems(manifest: dict) -> list[str]:
+    """`counts` must be the sum of the shards' counts."""
+    problems = []
+    counts = manifest["counts"]
+    for key in ("samples", "tokens", "loss_tokens"):
+        total = sum(int(s[key]) for s in manifest["shards"])
+        if total != counts.get(key):
+            problems.append(f"{fmt.MANIFEST}: counts.{key} is {counts.get(key)}, shards add up to {total}")
+    return problems
+
+
+def sha256_bytes(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+def size_problem(relative: str, size: int | None, meta: dict) -> str | None:
+    """A listed file must exist and have the size the manifest records."""
+    if size is None:
+        return f"{relative}: missing"
+    if size != meta["bytes"]:
+        return f"{relative}: {size} bytes, manifest says {meta['bytes']} (truncated or replaced)"
+    return None
+
+
+def link_problem(fs: Any, root: str, relative: str) -> str | None:
+    """On local disk, a listed file must not be a link resolving outside the store (manifest paths are
+    already plain relative paths; this closes the symlink route to reading someone else's files)."""
+    if not fmt.is_local(fs):
+        return None
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(fmt.join(root, relative))
+    if os.path.commonpath([real, real_root]) != real_root:
+        return f"{relative}: a link to {real}, outside the store (hostile or damaged store)"
+    return None
+
+
+def file_problem(fs: Any, root: str, relative: str, meta: dict) -> tuple[str | None, int]:
+    """Check one listed file completely (presence, size, sha256). Returns (problem, bytes read)."""
+    path = fmt.join(root, relative)
+    size = fs.size(path) if fs.exists(path) else None
+    problem = size_problem(relative, size, meta)
+    if problem is None and fmt.sha256_file(fs, path) != meta["sha256"]:
+        problem = f"{relative}: sha256 mismatch (corrupted, or copied from another store)"
+    return problem, size or 0
+
+
+def bytes_problem(relative: str, payload: bytes, meta: dict) -> str | None:
+    """Check bytes already read into memory against their manifest entry (no second read)."""
+    problem = size_problem(relative, len(payload), meta)
+    if problem is None and sha256_bytes(payload) != meta["sha256"]:
+        problem = f"{relative}: sha256 mismatch (corrupted, or copied from another store)"
+    return problem
+
+
+class StoreIntegrityError(StoreFormatError):
+    """A store's bytes are not the ones its manifest lists (corrupted, truncated, replaced, edited)."""
+
+
+def raise_first(problems: list[str | None], url: str) -> None:
+    """Raise StoreIntegrityError for the first problem, with the fix, if there is one."""
+    for problem in problems:
+        if problem:
+            raise StoreIntegrityError(f"{url}: {problem}; run `beagle-pipeline verify {url}` for a full report "
+                                      "and rebuild or re-copy the store (training never uses unverified bytes)")
