@@ -60,11 +60,14 @@ def _describe(store_url: str, target: dict) -> str:
 class StoreSet:
     """One or more stores of the same target, read as one list of samples."""
 
-    def __init__(self, urls: list[str], *, cache_dir: str | None = None) -> None:
+    def __init__(self, urls: list[str], *, cache_dir: str | None = None, verify: bool = True) -> None:
+        """verify: hash each store file on its first read (a corrupted or foreign file stops training,
+        named, before any of its bytes reach a batch); see docs/reliability.md."""
         if not urls:
             raise ValueError("no --store given; pass at least one feature store written by `extract`")
         self.urls = [str(u) for u in urls]
-        self.stores = [open_store(u, cache_dir=cache_dir) for u in self.urls]
+        self.stores = [open_store(u, cache_dir=cache_dir, verify="first-read" if verify else "none")
+                       for u in self.urls]
         first = self.stores[0]
         for url, store in zip(self.urls[1:], self.stores[1:]):
             if fingerprint(store.target) != fingerprint(first.target):

@@ -39,15 +39,19 @@ from beagle.train_config import TrainConfig, load_config_file
               help="Train on N Ray Train workers (DDP; one GPU each where the cluster has GPUs).")
 @click.option("--address", help="Ray cluster to join with --num-workers (default: RAY_ADDRESS or a local Ray).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
+@click.option("--verify-store/--no-verify-store", default=True,
+              help="Check each store file's sha256 on first read; refuse a damaged store. [on]")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume: bool, progress: bool,
-          cache_dir: str | None, num_workers: int | None, address: str | None, **flags: Any) -> None:
+          cache_dir: str | None, num_workers: int | None, address: str | None, verify_store: bool,
+          **flags: Any) -> None:
     """Train a Beagle drafter on feature stores (stage 1, then stage 2) and export RUN/drafter/.
 
     Several processes: `torchrun --nproc-per-node N -m beagle.train_cli ...` or --num-workers N (Ray Train)."""
     from tqdm import tqdm
 
     from beagle.trainer import train as run_training
+    from pipeline.store import StoreError
 
     try:
         base = load_config_file(config_file) if config_file else TrainConfig()
@@ -72,7 +76,10 @@ def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume
         bar.update(1)
 
     try:
-        result = run_training(list(stores), run_dir, config, resume=resume, on_step=on_step, cache_dir=cache_dir)
+        result = run_training(list(stores), run_dir, config, resume=resume, on_step=on_step, cache_dir=cache_dir,
+                              verify_store=verify_store)
+    except StoreError as exc:  # damaged, foreign or hostile store: one line naming the file
+        raise click.ClickException(str(exc)) from None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     finally:

@@ -82,7 +82,7 @@ def _trim_metrics(path: Path, last_step: int) -> None:
 
 def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume: bool = False,
           on_step: Callable[[dict[str, Any], int], None] | None = None, draw_curves: bool = True,
-          cache_dir: str | None = None) -> TrainResult:
+          cache_dir: str | None = None, verify_store: bool = True) -> TrainResult:
     """Train a drafter on `stores` into `run_dir`. `on_step(metrics, total_steps)` is called after each
     optimizer step (the CLI drives a progress bar with it). `cache_dir` caches remote stores' files.
 
@@ -90,13 +90,13 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
     (beagle.distributed), and only rank 0 writes run files and calls `on_step`."""
     with distributed.session(config.device) as ctx:
         return _train(stores, Path(run_dir), config, resume=resume, on_step=on_step if ctx.is_main else None,
-                      draw_curves=draw_curves, cache_dir=cache_dir, ctx=ctx)
+                      draw_curves=draw_curves, cache_dir=cache_dir, ctx=ctx, verify_store=verify_store)
 
 
 def _train(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: bool,
            on_step: Callable[[dict[str, Any], int], None] | None, draw_curves: bool, cache_dir: str | None,
-           ctx: distributed.DistContext) -> TrainResult:
-    data = StoreSet(stores, cache_dir=cache_dir)
+           ctx: distributed.DistContext, verify_store: bool = True) -> TrainResult:
+    data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise ValueError(f"--resume given but {run_dir}/checkpoints holds no complete checkpoint; "
