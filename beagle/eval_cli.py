@@ -41,6 +41,15 @@ def plot_acceptance(per_depth: list[float | None], path: Path, title: str) -> No
     plt.close(figure)
 
 
+def _check_stores(stores: list[str]) -> None:
+    """Refuse a damaged or foreign store before counting tokens in it: identity and file sizes at open,
+    and the sha256 of every sample table (the only part of a store eval reads)."""
+    from pipeline.store import open_store
+
+    for url in stores:
+        open_store(url, verify="first-read").lengths  # reading the tables hashes them first
+
+
 def _reduce_vocabulary(drafter, meta: dict, size: int, stores: tuple[str, ...], eos: set[int]):
     from beagle.decoding.draft_vocab import ReducedVocabDrafter, frequent_tokens
 
@@ -48,6 +57,7 @@ def _reduce_vocabulary(drafter, meta: dict, size: int, stores: tuple[str, ...], 
     if not stores:
         raise ValueError("--draft-vocab counts tokens in the training stores, and the drafter's config.json "
                          "lists none: pass --draft-vocab-store STORE")
+    _check_stores(stores)
     tokens = frequent_tokens(stores, size, drafter.config.vocab_size, always=eos)
     return ReducedVocabDrafter(drafter, tokens)
 
@@ -101,8 +111,11 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     from beagle.decoding.loading import load_drafter_for, load_target, pick_device
     from beagle.decoding.tree import DraftConfig
     from beagle.prompts import eos_token_ids, load_prompts
+    from pipeline.store import StoreError
 
     try:
+        if draft_vocab:
+            _check_stores(list(draft_vocab_store))  # before loading any model: fail fast on a bad store
         config = (DraftConfig.chain(depth, temperature, not no_concat) if chain else
                   DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
                               concatenate=not no_concat))
@@ -114,7 +127,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         if draft_vocab:
             drafter = _reduce_vocabulary(drafter, meta, draft_vocab, draft_vocab_store, eos)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, StoreError) as error:
         raise click.UsageError(str(error)) from None
 
     if not eos:
