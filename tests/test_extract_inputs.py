@@ -70,6 +70,7 @@ BAD_LINES = {
     "unknown_role": '{"conversations": [{"from": "tool", "value": "x"}, {"from": "gpt", "value": "y"}]}',
     "empty_conversation": '{"conversations": []}',
     "empty_text": '{"text": "   "}',
+    "invalid_text": '{"conversations": [{"from": "human", "value": "bad \\ud800"}, {"from": "gpt", "value": "y"}]}',
     "no_assistant_turn": '{"conversations": [{"from": "gpt", "value": "only a leading reply"}, {"from": "human", "value": "q"}]}',
     "duplicate_id": '{"id": "s1", "text": "again"}',
 }

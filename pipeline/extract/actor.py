@@ -35,7 +35,9 @@ def tokenize_records(tokenizer: Any, records: list[Record], *, max_length: int) 
     for record in records:
         try:
             tokenized = tokenize_record(tokenizer, record, max_length=max_length)
-        except RejectRecord as reject:
+        except Exception as error:  # noqa: BLE001 - one odd record must not fail a whole tokenize task
+            reject = error if isinstance(error, RejectRecord) else RejectRecord(
+                "tokenizer_error", f"{type(error).__name__}: {str(error)[:200]}")
             where = {"source": record.source, "index": record.index}
             if record.line is not None:
                 where["line"] = record.line

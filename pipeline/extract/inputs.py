@@ -27,9 +27,11 @@ REJECT_REASONS: dict[str, str] = {
     "unknown_role": "a turn whose role is not user/assistant/system (e.g. tool, function)",
     "empty_conversation": "a conversation with no turns",
     "empty_text": "a `text` record whose text is empty",
+    "invalid_text": "text that is not valid Unicode (e.g. a lone surrogate escape such as \\ud800)",
     "no_assistant_turn": "a conversation with no assistant turn after its first user turn",
     "duplicate_id": "a record whose `id` was already seen in the inputs",
     "template_error": "the chat template raised on this conversation",
+    "tokenizer_error": "the tokenizer raised on this record",
     "template_not_prefix_stable": "rendering a prefix of the conversation is not a prefix of the whole",
     "no_loss_tokens": "no assistant token is left (after truncation at --max-length)",
 }
@@ -81,6 +83,15 @@ def _content(turn: dict[str, Any], key: str) -> str:
         raise RejectRecord("missing_field", f"a turn has no `{key}`")
     if not isinstance(value, str):
         raise RejectRecord("wrong_type", f"`{key}` is {type(value).__name__}, not a string")
+    return _valid_text(value)
+
+
+def _valid_text(value: str) -> str:
+    """JSON admits lone surrogates (\\ud800) that no tokenizer can encode: reject them here."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RejectRecord("invalid_text", f"not valid Unicode at character {exc.start}") from None
     return value
 
 
@@ -137,7 +148,7 @@ def normalize_record(obj: Any, *, source: str, index: int, default_id: str) -> R
             raise RejectRecord("wrong_type", f"`text` is {type(obj['text']).__name__}, not a string")
         if not obj["text"].strip():
             raise RejectRecord("empty_text", "`text` is empty")
-        return Record(sample_id, source, index, text=obj["text"])
+        return Record(sample_id, source, index, text=_valid_text(obj["text"]))
     raise RejectRecord("missing_field", "no `conversations`, `messages` or `text`")
 
 
