@@ -75,6 +75,7 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
 
     Rerun the same command after a crash: committed shards are kept and the rest is redone.
     """
+    import errno
     import logging
 
     from pipeline.store import StoreError
@@ -93,6 +94,12 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
         summary = dry_run_fn(config) if dry_run else run_extract(config, progress=progress)
     except (ValueError, StoreError) as error:
         raise click.ClickException(str(error)) from None
+    except OSError as error:  # disk full or over quota: committed shards are kept, no manifest is written
+        if dry_run or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise click.ClickException(
+            f"writing {out} failed: {error.strerror or error}; the store is unfinished (no manifest.json, "
+            "readers refuse it); free space and rerun the same command to resume") from None
     finally:
         progress.close()
     if summary.state == "complete":

@@ -235,13 +235,26 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
 
 
 def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> ExtractSummary:
-    """The whole job; resumable by rerunning the same command."""
-    from pipeline.store import (begin_store, commit_manifest, committed_shards, compute_dataset_id, open_store,
-                                store_identity, write_head, write_rejects)
+    """The whole job; resumable by rerunning the same command.
+
+    The driver holds the store's lock (STORE/_lock, flock) from the first check to the manifest, so a
+    second extraction into the same local store is refused at once instead of interleaving with this one;
+    the kernel releases the lock if the driver dies, so a rerun after a crash is never blocked.
+    """
+    from pipeline.store.writer import store_lock
 
     started = time.perf_counter()
     prepared = prepare(config)
     url = _absolute(config.out)
+    with store_lock(url):
+        return _run_locked(config, prepared, url, progress, started)
+
+
+def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: Progress | None,
+                started: float) -> ExtractSummary:
+    from pipeline.store import (begin_store, commit_manifest, committed_shards, compute_dataset_id, open_store,
+                                store_identity, write_head, write_rejects)
+
     facts = identity(prepared, target_fingerprint(config.model_path, config.dtype))
     dataset_id = compute_dataset_id(store_identity(**facts))
     state = begin_store(url, dataset_id, overwrite=config.overwrite)

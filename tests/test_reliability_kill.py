@@ -1,0 +1,282 @@
+"""Kill it: SIGKILL real `beagle-pipeline extract` and `beagle-pipeline train` processes at random
+(seeded) points, rerun, and compare with uninterrupted runs. Also: a second extraction into a store that
+is being written is refused (the lock), and a disk-full manifest write leaves no store that looks complete.
+
+Extraction drivers join one Ray started by this module, so killing a driver leaves nothing behind but the
+actors Ray itself reaps; every spawned process gets its own process group, killed at the end.
+"""
+import errno
+import json
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.store import committed_shards, open_store, verify_store
+from tests.tiny import build_target
+from tests.tiny_store import build_tiny_store
+
+pytestmark = pytest.mark.slow
+
+BIN = str(Path(sys.executable).with_name("beagle-pipeline"))
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([BIN, *args], env=ENV, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process and anything it started (its own session), then reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _wait_for(condition, process: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"process ended before {what}: {process.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            _kill_group(process)
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+# Training ---------------------------------------------------------------------------------------------
+
+TRAIN = ["--batch-tokens", "80", "--lr", "3e-3", "--warmup-steps", "3", "--window-size", "3",
+         "--simulation-steps", "2", "--vocab-chunk", "128", "--stage1-epochs", "1", "--stage2-epochs", "1",
+         "--checkpoint-every", "2", "--device", "cpu", "--seed", "0", "--no-progress"]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_in_process(*args: str) -> None:
+    """The same CLI in this process, on one thread like the killed subprocess (bitwise-equal floats)."""
+    import torch
+
+    from beagle.train_cli import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = CliRunner().invoke(train, list(args))
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+
+
+def test_sigkill_training_after_a_checkpoint_then_resume_gives_the_same_curve(tmp_path):
+    store = build_tiny_store(tmp_path / "store", num_samples=16)
+    full = tmp_path / "full"
+    _train_in_process("--store", store, "--out", str(full), *TRAIN)
+    reference = _metrics(full)
+    steps = len(reference)
+    assert steps >= 12 and {m["stage"] for m in reference} == {1, 2}
+
+    rng = random.Random(9)
+    checkpoint = rng.choice(range(4, steps - 4, 2))    # the checkpoint to resume from
+    extra = 1                                          # a step logged after it, lost with the kill
+    part = tmp_path / "part"
+    process = subprocess.Popen([BIN, "train", "--store", store, "--out", str(part), *TRAIN],
+                               env={**ENV, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: (part / "checkpoints" / f"step-{checkpoint:08d}" / "state.json").is_file()
+                  and (part / "metrics.jsonl").is_file()
+                  and len((part / "metrics.jsonl").read_text().splitlines()) >= checkpoint + extra,
+                  process, 240, f"checkpoint {checkpoint}")
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        _kill_group(process)
+    logged = len(_metrics(part))
+    assert checkpoint < logged < steps, f"killed at {logged} of {steps} steps: no resume to test"
+    assert not (part / "drafter").exists()
+
+    _train_in_process("--store", store, "--out", str(part), *TRAIN, "--resume")
+    got = _metrics(part)
+    assert [m["step"] for m in got] == list(range(1, steps + 1))
+    assert [m["loss"] for m in got] == [m["loss"] for m in reference]
+    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in reference]
+    assert (part / "drafter" / "model.safetensors").read_bytes() == (full / "drafter" / "model.safetensors").read_bytes()
+
+
+# Extraction -----------------------------------------------------------------------------------------------
+
+RECORDS = 48
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("killjob")
+    target = build_target(root / "target", template="chatml")
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": f"k{i}", "conversations": [
+        {"from": "human", "value": f"Tell me about {i} " * (1 + i % 4)},
+        {"from": "gpt", "value": f"Here is what I know about {i}. " * (1 + i % 5)}]}) + "\n"
+        for i in range(RECORDS)) + "not json\n")
+    return {"root": root, "target": str(target), "data": str(data)}
+
+
+def _extract_args(job, out: Path, address: str) -> list[str]:
+    return ["extract", "--model", job["target"], "--data", job["data"], "--out", str(out), "--dtype", "float32",
+            "--samples-per-shard", "1", "--max-length", "64", "--num-workers", "1", "--address", address,
+            "--no-progress"]
+
+
+def _config(job, out: Path):
+    from pipeline.extract.pipeline import ExtractConfig
+    return ExtractConfig(model_path=job["target"], data=(job["data"],), out=str(out), dtype="float32",
+                         samples_per_shard=1, max_length=64, num_workers=1)
+
+
+def _per_sample(url: str) -> list[tuple]:
+    store = open_store(url, verify="first-read")
+    return [(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist(), s["hidden_states"].numpy().tobytes())
+            for s in (store[i] for i in range(len(store)))]
+
+
+def _forward_actor_pids() -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"ShardExtractor" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_five_sigkills_of_the_extract_driver_then_the_store_equals_an_uninterrupted_run(ray_address, job):
+    from pipeline.extract.pipeline import run_extract
+
+    out = job["root"] / "killed"
+    args = _extract_args(job, out, ray_address)
+    rng = random.Random(20261129)
+    history = []
+
+    # Kill 1, with a second extraction in the middle: the first driver holds the lock (it has written
+    # _pending.json) and is paused, so the second meets the lock for certain, and must refuse.
+    first = _spawn(*args)
+    try:
+        _wait_for(lambda: (out / "_pending.json").exists(), first, 240, "the first driver to claim the store")
+        os.kill(first.pid, signal.SIGSTOP)
+        second = subprocess.run([BIN, *args], env=ENV, capture_output=True, text=True, timeout=240)
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert "is being written by another process" in second.stderr and "_lock" in second.stderr, second.stderr
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        _kill_group(first)
+    history.append(("after claiming the store", len(committed_shards(str(out)))))
+
+    # Kills 2..5 at random points: during start-up (imports, tokenizing, joining Ray, actor start), or
+    # after a random number of newly committed shards plus a random delay.
+    kinds = ["start-up", "shards", "shards", rng.choice(["start-up", "shards"])]
+    rng.shuffle(kinds)
+    for kind in kinds:
+        before = len(committed_shards(str(out)))
+        wanted, delay = before + rng.randint(1, 4), rng.uniform(0.0, 0.05)
+        driver = _spawn(*args)
+        try:
+            if kind == "start-up":
+                time.sleep(rng.uniform(0.3, 3.0))
+            else:
+                _wait_for(lambda: len(committed_shards(str(out))) >= wanted, driver, 240, f"{wanted} shards")
+                time.sleep(delay)
+            assert driver.poll() is None, "the driver finished before its kill: make the job longer"
+            os.kill(driver.pid, signal.SIGKILL)
+        finally:
+            _kill_group(driver)
+        history.append((kind, len(committed_shards(str(out)))))
+        assert not (out / "manifest.json").exists()
+    counts = [n for _, n in history]
+    assert counts == sorted(counts) and 2 <= counts[-1] < RECORDS - 10, history
+
+    # The last rerun completes the job, keeping committed shards. A Ray worker is killed in the middle of
+    # a shard (ideally while its temporary folder exists, i.e. half written): Ray restarts the actor and
+    # the shard is redone. (tests/test_extract_ray.py kills one between shards.)
+    final = _spawn(*args)
+    shards, killed, mid_write = out / "shards", [], False
+    try:
+        _wait_for(lambda: len(committed_shards(str(out))) >= counts[-1] + 1, final, 240, "a new shard")
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and not mid_write:
+            mid_write = any(".tmp-" in name for name in os.listdir(shards))
+        killed = _forward_actor_pids()
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        stdout, _ = final.communicate(timeout=300)
+    finally:
+        _kill_group(final)
+    assert killed and final.returncode == 0, stdout[-3000:]
+    kept = re.search(r"\((\d+) kept from an earlier run", stdout)
+    assert kept and counts[-1] <= int(kept.group(1)) < RECORDS, stdout  # + a shard an orphan finished
+    logging.getLogger(__name__).warning("kills: %s; actor killed mid-write: %s", history, mid_write)
+
+    reference = job["root"] / "reference"
+    summary = run_extract(_config(job, reference))
+    store = open_store(str(out))
+    assert store.dataset_id == summary.dataset_id
+    assert verify_store(str(out)).ok
+    ids = [store[i]["sample_id"] for i in range(len(store))]
+    rejected = {json.loads(line)["index"] for line in (out / "rejects.jsonl").read_text().splitlines()}
+    assert len(ids) == len(set(ids)) == summary.samples > RECORDS // 2  # none doubled
+    assert ids == [f"k{i}" for i in range(RECORDS) if i not in rejected]  # none lost, input order
+    assert _per_sample(str(out)) == _per_sample(str(reference))
+    assert (out / "rejects.jsonl").read_bytes() == (reference / "rejects.jsonl").read_bytes()
+    assert not [p for p in shards.iterdir() if ".tmp-" in p.name]
+
+
+def test_disk_full_at_the_manifest_leaves_an_unfinished_store_and_says_so(ray_address, job, monkeypatch):
+    """ENOSPC injected at the driver's last write (the manifest): the CLI says the store is unfinished,
+    readers refuse it, and the same command then completes it."""
+    from pipeline.cli import main
+    from pipeline.store import writer
+
+    out = job["root"] / "full-disk"
+    real = writer._write_bytes_atomic
+
+    def no_space(fs, path, payload):
+        if path.endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(fs, path, payload)
+
+    monkeypatch.setattr(writer, "_write_bytes_atomic", no_space)
+    args = _extract_args(job, out, ray_address)[:-3] + ["--no-progress"]  # in-process: use this Ray
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    assert "No space left on device" in result.output and "unfinished" in result.output, result.output
+    with pytest.raises(Exception, match="unfinished store"):
+        open_store(str(out))
+    monkeypatch.setattr(writer, "_write_bytes_atomic", real)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    store = open_store(str(out))
+    assert verify_store(str(out)).ok
+    assert len(store) + store.manifest["counts"]["rejected"] == RECORDS + 1  # every line: stored or rejected
