@@ -50,3 +50,18 @@ def _config(tmp_path: Path) -> str:
     path = tmp_path / "train.json"
     path.write_text(json.dumps(SMALL))
     return str(path)
+
+
+def test_device_map_auto_loads_the_target_and_gives_the_same_states(tmp_path):
+    """`device_map="auto"` (layers spread over the actor's GPUs; here everything lands on the CPU) must
+    store exactly what the plain load stores."""
+    import numpy as np
+
+    from pipeline.extract.forward import ForwardConfig, TargetForward
+    from tests.tiny import build_target
+
+    target = build_target(tmp_path / "target")
+    sequences = [np.arange(3, 20), np.arange(5, 11)]
+    plain = TargetForward(ForwardConfig(str(target), dtype="float32", device="cpu")).hidden_states(sequences)
+    spread = TargetForward(ForwardConfig(str(target), dtype="float32", device_map="auto")).hidden_states(sequences)
+    assert all(torch.equal(a, b) for a, b in zip(plain, spread))

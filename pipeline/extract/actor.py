@@ -98,10 +98,20 @@ class ShardExtractor:
                 self._ensure_head()
             infos.append(json.dumps(info))
             seconds.append(time.perf_counter() - started)
-            logger.info("shard %d: %d samples in %.2fs (pid %d)", shard_index, len(samples), seconds[-1],
-                        os.getpid())
+            logger.info("shard %d: %d samples in %.2fs (pid %d, node %s)", shard_index, len(samples),
+                        seconds[-1], os.getpid(), _node_id())
         return {"shard_index": np.asarray(batch["shard_index"], dtype=np.int64),
                 "info": np.asarray(infos, dtype=object),
                 "seconds": np.asarray(seconds), "forward_seconds": np.asarray(forward_seconds),
-                "pid": np.full(len(infos), os.getpid(), dtype=np.int64)}
+                "pid": np.full(len(infos), os.getpid(), dtype=np.int64),
+                "node": np.asarray([_node_id()] * len(infos), dtype=object)}
+
+
+def _node_id() -> str:
+    """The Ray node this actor runs on ("" outside Ray): which machine of a cluster wrote a shard."""
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return ""
 

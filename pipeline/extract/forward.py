@@ -36,6 +36,7 @@ class ForwardConfig:
     device: str | None = None  # None: cuda when available, else cpu
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     trust_remote_code: bool = False
+    device_map: str | None = None  # "auto": spread layers over every GPU the actor sees (targets > 1 GPU)
 
 
 def weight_files(model_path: str) -> list[Path]:
@@ -104,12 +105,23 @@ class TargetForward:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         weight_files(config.model_path)
-        # On a GPU, load straight onto it (no full copy in host memory first). One GPU per actor.
+        # On a GPU, load straight onto it (no full copy in host memory first). One GPU per actor, or with
+        # device_map="auto" consecutive layers spread over the actor's GPUs (accelerate); inputs then go to
+        # the device of the embedding and the states come back from wherever the last layer ran.
+        device_map = config.device_map or (str(self.device) if self.device.type == "cuda" else None)
+        if config.device_map:
+            import importlib.util
+            if importlib.util.find_spec("accelerate") is None:
+                raise ValueError(f"device_map={config.device_map!r} needs the accelerate package; "
+                                 "pip install accelerate (on every node)")
         model = AutoModelForCausalLM.from_pretrained(
             config.model_path, dtype=DTYPES[config.dtype], local_files_only=True,
-            trust_remote_code=config.trust_remote_code,
-            device_map=str(self.device) if self.device.type == "cuda" else None)
-        self.model = model.eval().to(self.device)
+            trust_remote_code=config.trust_remote_code, device_map=device_map)
+        if config.device_map:
+            self.device = model.get_input_embeddings().weight.device
+            self.model = model.eval()
+        else:
+            self.model = model.eval().to(self.device)
         base = getattr(model, model.base_model_prefix, None)
         self.base = base if isinstance(base, torch.nn.Module) else model
         self.num_layers = model.config.get_text_config().num_hidden_layers
