@@ -1,7 +1,8 @@
 """Extraction on a two-node Ray cluster writing to S3 (moto's S3 server on 127.0.0.1), then `info`,
 `verify` and training straight from the bucket through a local cache.
 
-Each node has one CPU and each forward actor needs one, so two actors means one per node.
+Each node has one CPU and each forward actor needs one, so two actors means one per node; the run
+records which node committed each shard.
 """
 import json
 import logging
@@ -85,7 +86,8 @@ def s3_store(two_nodes, s3_bucket, tmp_path_factory):
 def test_two_nodes_write_shards_to_s3(s3_store):
     url, summary = s3_store
     assert summary.samples == 8 and summary.shards == 4
-    assert summary.actors == 2  # both actors committed shards; one CPU per node puts them on different nodes
+    assert summary.actors == 2 and summary.nodes == 2  # one CPU per node: one actor per node, both committed
+    assert "on 2 node(s)" in "\n".join(summary.lines())
 
     store = open_store(url)
     assert len(store) == 8 and len(store.manifest["shards"]) == 4

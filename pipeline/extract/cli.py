@@ -60,6 +60,10 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
               help="Padded tokens per forward batch (rows x longest sample).")
 @click.option("--num-workers", type=int, default=None,
               help="Forward actors. Default: one per GPU, or one CPU actor using all cores.")
+@click.option("--num-gpus-per-worker", type=float, default=1.0, show_default=True,
+              help="GPUs per forward actor; > 1 for targets that do not fit one GPU (with --device-map auto).")
+@click.option("--device-map", type=click.Choice(["auto"]), default=None,
+              help="auto: spread the target's layers over the actor's GPUs (needs accelerate).")
 @click.option("--address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
 @click.option("--samples-per-shard", default=256, show_default=True, help="Samples per store shard.")
@@ -68,7 +72,8 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int, ...], max_length: int,
-            dtype: str, batch_tokens: int, num_workers: int | None, address: str | None, limit: int | None,
+            dtype: str, batch_tokens: int, num_workers: int | None, num_gpus_per_worker: float,
+            device_map: str | None, address: str | None, limit: int | None,
             samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
             no_progress: bool) -> None:
     """Run the target over conversations and store its hidden states for drafter training.
@@ -86,7 +91,8 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
             logging.getLogger(name).setLevel(logging.ERROR)
 
     config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
-                           dtype=dtype, batch_tokens=batch_tokens, num_workers=num_workers, address=address,
+                           dtype=dtype, batch_tokens=batch_tokens, num_workers=num_workers,
+                           num_gpus_per_worker=num_gpus_per_worker, device_map=device_map, address=address,
                            limit=limit, overwrite=overwrite, trust_remote_code=trust_remote_code,
                            samples_per_shard=samples_per_shard)
     progress = _TqdmProgress(enabled=not no_progress)

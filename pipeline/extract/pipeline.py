@@ -38,7 +38,9 @@ class ExtractConfig:
     max_length: int = 2048
     dtype: str = "bfloat16"
     batch_tokens: int = 16384
-    num_workers: int | None = None  # None: one per GPU, or one CPU actor
+    num_workers: int | None = None  # None: one per GPU (per num_gpus_per_worker GPUs), or one CPU actor
+    num_gpus_per_worker: float = 1.0  # GPUs each forward actor reserves (> 1 with device_map="auto")
+    device_map: str | None = None  # "auto": spread the target's layers over the actor's GPUs
     threads: int | None = None  # torch threads per CPU actor; None: cores // workers on a local Ray
     address: str | None = None  # None: start a local Ray
     limit: int | None = None
@@ -67,6 +69,7 @@ class Prepared:
     samples: list[dict] = field(default_factory=list)  # tokenized, input order
     rejects: list[dict] = field(default_factory=list)
     actor_pids: set[int] = field(default_factory=set)  # forward actors that committed shards in this run
+    actor_nodes: dict[int, str] = field(default_factory=dict)  # shard index -> Ray node id that wrote it
     actor_seconds: float = 0.0  # summed over shards: forward + write inside the actors
     actor_forward_seconds: float = 0.0  # summed over shards: the forward alone
 
@@ -84,6 +87,10 @@ def prepare(config: ExtractConfig) -> Prepared:
     weight_files(config.model_path)
     if config.dtype not in DTYPES:
         raise ValueError(f"--dtype {config.dtype}: use one of {sorted(DTYPES)}")
+    if config.num_gpus_per_worker <= 0:
+        raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: must be > 0")
+    if config.device_map not in (None, "auto"):
+        raise ValueError(f"--device-map {config.device_map}: only 'auto' is supported")
     for name in ("max_length", "batch_tokens", "samples_per_shard"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least 1")
@@ -206,18 +213,21 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
 
     config = prepared.config
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    workers = config.num_workers or max(1, gpus)
+    per_worker = config.num_gpus_per_worker
+    if gpus and per_worker > gpus:
+        raise ValueError(f"--num-gpus-per-worker {per_worker} exceeds the cluster's {gpus} GPU(s)")
+    workers = config.num_workers or max(1, int(gpus // per_worker))
     workers = min(workers, len(shards))
     joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
     threads = config.threads or (None if (gpus or joined) else max(1, (os.cpu_count() or 1) // workers))
     forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
                                    dtype=config.dtype, batch_tokens=config.batch_tokens, threads=threads,
-                                   trust_remote_code=config.trust_remote_code)
+                                   trust_remote_code=config.trust_remote_code, device_map=config.device_map)
     rows = [{"shard_index": k, "samples": pickle.dumps([{key: s[key] for key in ("sample_id", "input_ids", "loss_mask")}
                                                          for s in samples])}
             for k, samples in sorted(shards.items())]
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
-    resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    resources = {"num_gpus": per_worker} if gpus else {"num_cpus": 1}
     dataset = dataset.map_batches(ShardExtractor, batch_size=1, **resources,
                                   compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
                                   fn_constructor_kwargs={"config": forward_config, "store_url": url})
@@ -227,6 +237,9 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
         info = json.loads(row["info"])
         infos.append(info)
         prepared.actor_pids.add(int(row["pid"]))
+        prepared.actor_nodes[int(row["shard_index"])] = str(row.get("node", ""))
+        logger.info("shard %d committed by pid %d on node %s", int(row["shard_index"]), int(row["pid"]),
+                    prepared.actor_nodes[int(row["shard_index"])])
         prepared.actor_seconds += float(row["seconds"])
         prepared.actor_forward_seconds += float(row["forward_seconds"])
         if progress is not None:
@@ -309,6 +322,7 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
             ray.shutdown()
     summary.shards, summary.shards_resumed, summary.state = len(shards), len(done), state
     summary.actors = len(prepared.actor_pids)
+    summary.nodes = len(set(prepared.actor_nodes.values()))
     summary.actor_seconds, summary.actor_forward_seconds = prepared.actor_seconds, prepared.actor_forward_seconds
     summary.store_bytes, summary.head_bytes = _store_bytes(url), _head_bytes(url)
     summary.seconds = time.perf_counter() - started

@@ -21,6 +21,7 @@ class ExtractSummary:
     store_bytes: int = 0
     head_bytes: int = 0  # embedding + LM head: a fixed cost, left out of bytes/token
     actors: int = 0  # forward actors that committed shards in this run
+    nodes: int = 0  # Ray nodes whose actors committed shards in this run
     actor_seconds: float = 0.0  # busy time of the actors, summed over shards (forward + write)
     actor_forward_seconds: float = 0.0  # of which the forward alone
     state: str = "new"  # new | resume | complete (nothing left to do)
@@ -54,7 +55,7 @@ class ExtractSummary:
             return lines
         lines += [
             f"  shards       {self.shards:,} ({self.shards_resumed:,} kept from an earlier run, "
-            f"{self.actors} forward actor(s) in this run)",
+            f"{self.actors} forward actor(s) on {self.nodes} node(s) in this run)",
             f"  speed        {self.tokens_per_second:,.0f} tokens/s over {self.forward_tokens:,} tokens "
             f"forwarded in {self.forward_seconds:,.1f}s (total {self.seconds:,.1f}s)",
             f"  store size   {size} ({self.bytes_per_token:,.0f} bytes/token + head {self.head_bytes / 2**20:,.1f} MiB)",
