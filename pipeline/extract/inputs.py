@@ -194,9 +194,9 @@ def _raw_records(path: Path) -> Iterator[tuple[int, Any, str | None, int | None]
         if suffix == ".json" and head.startswith("["):
             try:
                 data = json.load(handle)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--data {path}: not valid JSON ({exc}); fix the file or convert it to "
-                                 "JSONL, where a bad line is rejected on its own") from None
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, int too long, nesting too deep
+                raise ValueError(f"--data {path}: not valid JSON ({_parse_error(exc)}); fix the file or convert "
+                                 "it to JSONL, where a bad line is rejected on its own") from None
             for i, row in enumerate(data):
                 yield i, row, None, None
             return
@@ -204,9 +204,18 @@ def _raw_records(path: Path) -> Iterator[tuple[int, Any, str | None, int | None]
             if not line.strip():
                 continue
             try:
-                yield i, json.loads(line), None, i + 1
-            except json.JSONDecodeError as exc:
-                yield i, None, f"line {i + 1}: {exc.msg}", i + 1
+                obj = json.loads(line)
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, int too long, nesting too deep
+                yield i, None, f"line {i + 1}: {_parse_error(exc)}", i + 1
+                continue
+            yield i, obj, None, i + 1
+
+
+def _parse_error(exc: Exception) -> str:
+    """A short reason for a record the JSON parser refused (hostile input must not crash the reader)."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return getattr(exc, "msg", None) or str(exc)[:200]
 
 
 def check_data_path(path: str) -> Path:
