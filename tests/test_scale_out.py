@@ -65,3 +65,11 @@ def test_device_map_auto_loads_the_target_and_gives_the_same_states(tmp_path):
     plain = TargetForward(ForwardConfig(str(target), dtype="float32", device="cpu")).hidden_states(sequences)
     spread = TargetForward(ForwardConfig(str(target), dtype="float32", device_map="auto")).hidden_states(sequences)
     assert all(torch.equal(a, b) for a, b in zip(plain, spread))
+
+
+def test_ray_flags_are_checked_before_anything_starts(tmp_path):
+    store = str(tmp_path / "missing")
+    bad = CliRunner().invoke(train_command, ["--store", store, "--out", str(tmp_path / "r"), "--address", "auto"])
+    assert bad.exit_code == 2 and "--num-workers" in bad.output
+    bad = CliRunner().invoke(train_command, ["--store", store, "--out", str(tmp_path / "r"), "--num-workers", "0"])
+    assert bad.exit_code == 2 and "--num-workers 0 must be >= 1" in bad.output
