@@ -99,9 +99,6 @@ def test_two_nodes_write_shards_to_s3(s3_store):
     assert json.loads(result.output)["num_samples"] == 8
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "pipeline/store/zarr_io.py: zarr_store sees the filecache wrapper's delegated async_impl=True and reopens "
-    "s3 with the cache's storage_options (fs=...); fix: test type(fs).async_impl"))
 def test_training_from_s3_through_a_local_cache(s3_store, tmp_path):
     """Train straight from the bucket through a local cache (no copy of the store first)."""
     from beagle.trainer import train

@@ -35,7 +35,9 @@ def zarr_store(fs: fsspec.AbstractFileSystem, path: str, *, read_only: bool) -> 
     """
     if is_local(fs):
         return zarr.storage.LocalStore(path, read_only=read_only)
-    if fs.async_impl:
+    # type(fs): a caching wrapper delegates attribute reads to the filesystem it wraps, so the
+    # instance may claim async_impl while its own methods are synchronous.
+    if type(fs).async_impl:
         return zarr.storage.FsspecStore.from_url(fs.unstrip_protocol(path), read_only=read_only,
                                                  storage_options=getattr(fs, "storage_options", None))
     from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
