@@ -265,3 +265,39 @@ def test_no_pickle_on_any_load_path():
                 in_memory.add(rel)
     assert not offenders, offenders
     assert in_memory <= {"pipeline/extract/actor.py", "pipeline/extract/pipeline.py"}, in_memory
+
+
+def test_trust_remote_code_is_off_unless_asked(tmp_path):
+    """A model directory shipping code (auto_map -> evil.py, which leaves a marker when imported): the
+    default extract path loads the built-in classes and never imports it; only the flag does."""
+    from pipeline.extract.chat import load_tokenizer
+    from pipeline.extract.cli import extract
+    from pipeline.extract.forward import ForwardConfig, TargetForward
+    from pipeline.extract.pipeline import ExtractConfig
+    from tests.tiny import build_target
+
+    parsed = extract.make_context("extract", ["--model", "m", "--data", "d.jsonl", "--out", "o"]).params
+    assert parsed["trust_remote_code"] is False
+    assert ExtractConfig(model_path="m", data=("d",), out="o").trust_remote_code is False
+    assert ForwardConfig("m", (-1,), "float32").trust_remote_code is False
+
+    target = build_target(tmp_path / "target", template="chatml")
+    marker = tmp_path / "executed"
+    (target / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast\n"
+        "class EvilConfig(LlamaConfig): pass\nclass EvilModel(LlamaForCausalLM): pass\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast): pass\n")
+    for name, key, value in [("config.json", "AutoConfig", "evil.EvilConfig"),
+                             ("tokenizer_config.json", "AutoTokenizer", [None, "evil.EvilTokenizer"])]:
+        config = json.loads((target / name).read_text())
+        config["auto_map"] = {key: value, **({"AutoModelForCausalLM": "evil.EvilModel"} if name == "config.json"
+                                              else {})}
+        (target / name).write_text(json.dumps(config))
+
+    load_tokenizer(str(target))
+    forward = TargetForward(ForwardConfig(str(target), (-1,), "float32"))
+    assert type(forward.model).__name__ == "LlamaForCausalLM"
+    assert not marker.exists()
+    load_tokenizer(str(target), trust_remote_code=True)  # asked for: now the shipped code runs
+    assert marker.exists()
