@@ -26,7 +26,8 @@ setup(
     ],
     extras_require={
         # moto's S3 server (on 127.0.0.1) and s3fs test the object-store path end to end.
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "moto[server]>=5", "s3fs>=2024.2"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "moto[server]>=5", "s3fs>=2024.2",
+                "accelerate>=0.30"],
         # Targets too big for one GPU: --device-map auto.
         "multi-gpu": ["accelerate>=0.30"],
         "demo": ["gguf>=0.10"],
