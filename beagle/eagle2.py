@@ -163,12 +163,13 @@ class Eagle2KeyCache:
         self._length += states.shape[0]
 
 
-def uniform_noise(states: Tensor, width: float, generator: torch.Generator | None) -> Tensor:
-    """EAGLE's feature noise: U(-width/2, width/2) added to every state."""
+def uniform_noise(batch: Batch, width: float, generator: torch.Generator | None) -> Tensor:
+    """EAGLE's feature noise: U(-width/2, width/2) added to every state of `batch.hidden` [B, L, d].
+
+    Drawn through `Batch.noise`, so under DDP each row gets the noise a one-process run gives it."""
     if width <= 0:
-        return states
-    noise = torch.rand(states.shape, generator=generator, device=states.device, dtype=states.dtype)
-    return states + (noise - 0.5) * width
+        return batch.hidden
+    return batch.hidden + (batch.noise(generator, draw=torch.rand) - 0.5) * width
 
 
 def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, generator: torch.Generator | None = None
@@ -177,7 +178,7 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
 
     LOSS_SCALE · (CE + regression_weight · SmoothL1) = 1.0·SmoothL1 + 0.1·CE at the default weight 10."""
     B, L, d = batch.hidden.shape
-    states = uniform_noise(batch.hidden, settings.noise_std, generator)
+    states = uniform_noise(batch, settings.noise_std, generator)
     hidden = model.forward_sequence(batch.input_ids, states, batch.lengths)             # [B, L, d]
     weight = torch.zeros(B, L, device=hidden.device)
     weight[:, 1:-1] = batch.loss_mask[:, 2:].float()    # row p predicts t_{p+1}; row 0 has no state
