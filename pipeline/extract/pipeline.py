@@ -185,7 +185,10 @@ def _connect_ray(config: ExtractConfig) -> bool:
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # Logical CPUs >= actors + 1 so that tokenize tasks never wait behind the forward actors.
-        ray.init(num_cpus=max(os.cpu_count() or 1, (config.num_workers or 1) + 1), include_dashboard=False,
+        # address="local": always a fresh Ray of our own. A bare ray.init() would join any cluster already
+        # running on this machine (another job's), and then refuse our num_cpus.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, (config.num_workers or 1) + 1),
+                 include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False)
     return True
 
