@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from beagle.data import Batch
 from beagle.losses import LossResult, drafter_loss
-from beagle.model import DrafterConfig, RMSNorm, SwiGLU, rotary, _SDPA_HAS_GQA
+from beagle.model import DrafterConfig, RMSNorm, SwiGLU, _SDPA_HAS_GQA, register_frozen_head, rotary
 
 DRAFTER_TYPE = "eagle2"
 # EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; drafter_loss returns CE + regression_weight·SmoothL1 (10 by default).
@@ -36,14 +36,8 @@ class Eagle2Drafter(nn.Module):
 
     def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
         super().__init__()
-        expected = (config.vocab_size, config.hidden_size)
-        for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected} "
-                                 "(vocab_size, hidden_size) from the drafter config")
         self.config = c = config
-        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
-        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+        register_frozen_head(self, config, embed_tokens, lm_head)
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)

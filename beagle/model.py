@@ -124,21 +124,26 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def register_frozen_head(module: nn.Module, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
+    """Attach the target's embedding and LM head ([V, d] each) as frozen non-persistent buffers:
+    `.to()` moves them, `state_dict()` (the exported weights) leaves them out."""
+    expected = (config.vocab_size, config.hidden_size)
+    for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected} "
+                             "(vocab_size, hidden_size) from the drafter config")
+    module.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
+    module.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+
+
 class BeagleDrafter(nn.Module):
     """The drafter block. Embedding and LM head are frozen non-persistent buffers:
     `.to()` moves them, `state_dict()` (the exported weights) leaves them out."""
 
     def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
         super().__init__()
-        expected = (config.vocab_size, config.hidden_size)
-        for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected} "
-                                 "(vocab_size, hidden_size) from the drafter config")
-        self.config = config
-        c = config
-        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
-        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+        self.config = c = config
+        register_frozen_head(self, config, embed_tokens, lm_head)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)       # on queries (embeddings)
         self.kv_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)          # on key/value states [ours]
         self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
