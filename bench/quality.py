@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +50,7 @@ def rewrite(src: str, dst: str, dtype: str, compression: str | None) -> float:
 
 
 def train(store: str, out: str, drafter: str, steps: int, batch_tokens: int, max_length: int) -> str:
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: `train` refuses to reuse a run folder
     cli("train", "--store", store, "--out", out, "--drafter", drafter, "--max-steps", str(steps),
         "--stage1-epochs", "1000", "--stage2-epochs", "0" if drafter == "eagle2" else "1000",
         "--batch-tokens", str(batch_tokens), "--max-length", str(max_length), "--lr", "1e-3",
