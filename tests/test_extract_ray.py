@@ -3,7 +3,6 @@
 One Ray session serves the module (starting Ray costs ~3 s and ~1 GiB); the killed CLI run starts its own.
 """
 import json
-import logging
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ from pipeline.extract.chat import load_tokenizer, tokenize_record
 from pipeline.extract.inputs import Record
 from pipeline.extract.pipeline import ExtractConfig, run_extract
 from pipeline.store import StoreConflictError, committed_shards, open_store, verify_store
+from tests.local_ray import local_ray
 from tests.tiny import build_target
 
 pytestmark = pytest.mark.slow
@@ -40,13 +40,8 @@ BAD_REASONS = ["malformed_json", "not_an_object", "missing_field", "missing_fiel
 
 @pytest.fixture(scope="module")
 def ray_address():
-    import ray
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    if started:
-        ray.shutdown()
+    with local_ray(num_cpus=4) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

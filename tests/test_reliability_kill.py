@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.store import committed_shards, open_store, verify_store
+from tests.local_ray import local_ray
 from tests.tiny import build_target
 from tests.tiny_store import build_tiny_store
 
@@ -123,13 +124,8 @@ RECORDS = 48
 
 @pytest.fixture(scope="module")
 def ray_address():
-    import ray
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=3, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    if started:
-        ray.shutdown()
+    with local_ray(num_cpus=3) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
