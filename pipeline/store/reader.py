@@ -313,12 +313,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _listed_files(manifest: dict) -> list[str]:
-    return list(integrity.listed_files(manifest))
-
-
 def _check_paths(manifest: dict, url: str) -> None:
-    for relative in _listed_files(manifest):
+    for relative in integrity.listed_files(manifest):
         fmt.safe_relpath(relative, where=f"{url}/{fmt.MANIFEST}")
     for shard in manifest["shards"]:
         name = shard.get("name", "")
