@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from pipeline.demo import packages
 from pipeline.demo import prepare as prep
 from pipeline.demo.sharegpt import DecodeStats, iter_conversations, iter_json_array
+from pipeline.hashing import sha256_local_file
 from tests.tiny import build_tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -256,7 +257,7 @@ def test_prepare_builds_once_then_does_nothing_then_rebuilds_only_what_changed(f
     cache = first.cache
     assert set(first.built) == {"model", "sharegpt", "mtbench"} and not first.did_nothing
     manifest = cache.read_manifest()
-    assert manifest["components"]["model"]["source"]["sha256"] == packages.sha256_file(tiny_gguf[0])
+    assert manifest["components"]["model"]["source"]["sha256"] == sha256_local_file(tiny_gguf[0])
     assert [json.loads(line)["id"] for line in cache.sharegpt_path.read_text().splitlines()] == ["a_0", "b_0", "c_0"]
     assert manifest["components"]["sharegpt"]["truncated"] is True
     assert len(cache.questions_path.read_text().splitlines()) == 3

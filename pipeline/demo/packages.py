@@ -6,7 +6,6 @@ says which pip command installs it.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata as metadata
 import logging
 from dataclasses import dataclass
@@ -77,10 +76,3 @@ def locate(spec: PackagedFile) -> LocatedFile:
     return LocatedFile(spec=spec, path=path, installed_version=distribution.version)
 
 
-def sha256_file(path: str | Path, *, block_bytes: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while block := stream.read(block_bytes):
-            digest.update(block)
-    return digest.hexdigest()

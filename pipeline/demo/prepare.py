@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.demo import mtbench, packages, sharegpt
+from pipeline.hashing import sha256_local_file
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def _component_key(name: str, source: packages.LocatedFile, config: PrepareConfi
 
 def _source_record(source: packages.LocatedFile, progress: Progress) -> dict:
     progress.start(f"sha256 of {source.path.name}", None)
-    digest = packages.sha256_file(source.path)
+    digest = sha256_local_file(source.path)
     progress.finish(f"sha256 {digest[:16]}… {source.path.name}")
     return {"distribution": source.spec.distribution, "version": source.installed_version,
             "path": str(source.path), "bytes": source.path.stat().st_size, "sha256": digest}

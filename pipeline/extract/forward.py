@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from pipeline.hashing import update_from_file
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -62,9 +64,7 @@ def target_fingerprint(model_path: str, dtype: str) -> dict[str, Any]:
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0")
-        with open(path, "rb") as handle:
-            while chunk := handle.read(16 << 20):
-                digest.update(chunk)
+        update_from_file(digest, path)
     text = config.get("text_config", config)  # multimodal configs nest the language model's
     architecture = {key: text.get(key) for key in _ARCHITECTURE_KEYS}
     if architecture["head_dim"] is None and text.get("hidden_size") and text.get("num_attention_heads"):

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipeline.hashing import update_from_file
+
 logger = logging.getLogger(__name__)
 
 # Reasons a record can be rejected, with what they mean (the manifest counts them by these keys).
@@ -159,9 +161,7 @@ def sha256_path(path: Path) -> str:
     for file in files:
         if path.is_dir():
             digest.update(str(file.relative_to(path)).encode() + b"\0")
-        with open(file, "rb") as handle:
-            while chunk := handle.read(8 << 20):
-                digest.update(chunk)
+        update_from_file(digest, file)
     return digest.hexdigest()
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from pipeline.hashing import update_from_stream
+
 from pipeline.store.errors import StoreFormatError
 
 SCHEMA_VERSION = "1.0"
@@ -128,12 +130,9 @@ def join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 
 
-def sha256_file(fs: fsspec.AbstractFileSystem, path: str, block: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
     with fs.open(path, "rb") as handle:
-        while chunk := handle.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return update_from_stream(hashlib.sha256(), handle).hexdigest()
 
 
 def major_version(version: str) -> int:
