@@ -106,31 +106,58 @@ def beta_weights(simulation_steps: int) -> list[float]:
     return [b / total for b in betas]
 
 
-def drafter_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
-                 num_depths: int, depth_weights: list[float] | None, regression_weight: float,
-                 chunk_size: int) -> LossResult:
-    """Loss over rows: hidden/target_hidden [N, d], weight [N] (0 drops a row), depth [N] in 1..k.
+@dataclass
+class DepthSums:
+    """Per-depth sums over a set of rows ([k] tensors each), before normalisation."""
 
-    Stage 1 (depth_weights None): the weighted mean over all rows. Stage 2: each depth's weighted
-    mean times its normalised β_j; a depth without rows in the batch contributes nothing."""
+    token: Tensor               # Σ weight · soft CE
+    regression: Tensor          # Σ weight · SmoothL1
+    weight: Tensor              # Σ weight (this rank's rows only)
+    correct: Tensor             # draft top-1 == target top-1, long
+    count: Tensor               # rows, long
+
+
+def depth_sums(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
+               num_depths: int, chunk_size: int) -> DepthSums:
+    """Sum the losses of rows hidden/target_hidden [N, d] with weight [N] (0 drops a row) per depth [N] in 1..k."""
     keep = weight > 0
     hidden, target_hidden, weight, depth = hidden[keep], target_hidden[keep], weight[keep], depth[keep]
     ce, arg_q, arg_t = soft_cross_entropy(hidden, target_hidden, lm_head, chunk_size)  # [N] each
     reg = regression_loss(hidden, target_hidden)                                        # [N]
     index = depth - 1
-    token_sum = torch.zeros(num_depths, device=hidden.device).index_add(0, index, ce * weight)
-    reg_sum = torch.zeros(num_depths, device=hidden.device).index_add(0, index, reg * weight)
-    w_sum = torch.zeros(num_depths, device=hidden.device).index_add(0, index, weight.float())
-    correct = torch.zeros(num_depths, dtype=torch.long, device=hidden.device).index_add(
-        0, index, (arg_q == arg_t).long())
-    count = torch.bincount(index, minlength=num_depths)
-    w_sum = global_sum(w_sum)   # data parallel: the global batch's weights, so per-rank losses add up
+    zeros = torch.zeros(num_depths, device=hidden.device)
+    return DepthSums(
+        token=zeros.index_add(0, index, ce * weight),
+        regression=zeros.index_add(0, index, reg * weight),
+        weight=zeros.index_add(0, index, weight.float()),
+        correct=torch.zeros(num_depths, dtype=torch.long, device=hidden.device).index_add(
+            0, index, (arg_q == arg_t).long()),
+        count=torch.bincount(index, minlength=num_depths))
+
+
+def depth_scale(global_weight: Tensor, depth_weights: list[float] | None) -> Tensor:
+    """[k] factors turning per-depth sums into the loss, from the global batch's per-depth weight sums.
+
+    Stage 1 (depth_weights None): the weighted mean over all rows. Stage 2: each depth's weighted mean
+    times its normalised β_j; a depth without rows in the batch contributes nothing."""
     if depth_weights is None:
-        total = w_sum.sum().clamp_min(1e-12)
-        token, regression = token_sum.sum() / total, reg_sum.sum() / total
-    else:
-        scale = torch.tensor(depth_weights + [0.0] * (num_depths - len(depth_weights)),
-                             device=hidden.device) / w_sum.clamp_min(1e-12)
-        token, regression = (token_sum * scale).sum(), (reg_sum * scale).sum()
+        return torch.ones_like(global_weight) / global_weight.sum().clamp_min(1e-12)
+    betas = depth_weights + [0.0] * (global_weight.numel() - len(depth_weights))
+    return torch.tensor(betas, device=global_weight.device) / global_weight.clamp_min(1e-12)
+
+
+def combine(sums: DepthSums, scale: Tensor, regression_weight: float) -> LossResult:
+    """The loss of per-depth sums already scaled by `depth_scale`."""
+    token, regression = (sums.token * scale).sum(), (sums.regression * scale).sum()
     return LossResult(token + regression_weight * regression, token, regression,
-                      correct.tolist(), count.tolist())
+                      sums.correct.tolist(), sums.count.tolist())
+
+
+def drafter_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
+                 num_depths: int, depth_weights: list[float] | None, regression_weight: float,
+                 chunk_size: int) -> LossResult:
+    """Loss over rows: hidden/target_hidden [N, d], weight [N] (0 drops a row), depth [N] in 1..k,
+    normalised as `depth_scale` says."""
+    sums = depth_sums(hidden, target_hidden, weight, depth, lm_head, num_depths=num_depths, chunk_size=chunk_size)
+    # Data parallel: normalise by the global batch's weights, so per-rank losses add up.
+    return combine(sums, depth_scale(global_sum(sums.weight), depth_weights), regression_weight)

@@ -7,13 +7,15 @@ visible true key (the first window) are dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from beagle.data import Batch
-from beagle.losses import LossResult, beta_weights, drafter_loss
+from beagle.distributed import global_sum
+from beagle.losses import DepthSums, LossResult, beta_weights, combine, depth_scale, depth_sums, drafter_loss
 from beagle.masks import depth, depth_positions, stage1_mask, stage2_mask, window_index
 from beagle.model import BeagleDrafter
 
@@ -69,48 +71,64 @@ def stage1_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
                         chunk_size=settings.vocab_chunk)
 
 
+StepReduce = Callable[[int, Tensor, Tensor], tuple[Tensor, ...]]
+
+
+def _keep_states(step: int, q_pos: Tensor, hidden: Tensor) -> tuple[Tensor, ...]:
+    return (hidden,)
+
+
 def simulate(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
-             generator: torch.Generator | None = None) -> list[tuple[int, Tensor, Tensor]]:
+             generator: torch.Generator | None = None,
+             reduce: StepReduce = _keep_states) -> list[tuple[int, Tensor, tuple[Tensor, ...]]]:
     """Training-time simulation: step j computes only the queries at depth j. They see true keys of
     earlier windows plus the drafter's own predictions for depths 1..j-1 of their window.
 
-    With `settings.recompute` each step's block runs under activation checkpointing: autograd then
-    keeps only the step's inputs (shared key banks, no copies) and outputs, and the peak memory stays
-    flat in the number of steps instead of growing with the queries trained.
-    Returns [(step, query positions [Lq], draft states [B, Lq, d])] for steps 1..s."""
+    `reduce(step, query positions [Lq], draft states [B, Lq, d])` runs inside each step's block and
+    returns what the step hands out (by default the draft states themselves). With `settings.recompute`
+    the block runs under activation checkpointing: autograd then keeps only its inputs (the shared true
+    key bank and the predicted keys of earlier steps) and its outputs. When `reduce` returns loss sums
+    rather than states, nothing per trained row survives a step, and peak memory stays flat in the
+    number of steps.
+    Returns [(step, query positions [Lq], reduce's outputs)] for steps 1..s."""
     B, L, d = batch.hidden.shape
     dev = batch.hidden.device
     k_size = settings.window_size
     k_true, v_true, _ = noisy_keys(model, batch, settings.noise_std, generator)
     key_valid = torch.arange(L, device=dev)[None, :] < batch.lengths[:, None]   # [B, L]
-    bank: list[Tensor] = []            # predicted keys then values, per earlier step
-    pred_pos: list[Tensor] = []
+    pred_keys: list[Tensor] = []       # predicted keys [B, H_kv, Lq, hd], one per earlier step
+    pred_values: list[Tensor] = []
+    pred_pos: list[Tensor] = []        # their positions; at most L slots over all steps (spec §3)
     out = []
     for step in range(1, settings.simulation_steps + 1):
         q_pos = depth_positions(L, k_size, offset, step, dev)                  # [Lq]
         if q_pos.numel() == 0:
             continue
         feed_back = step < settings.simulation_steps
-        run = _SimulationStep(model, settings, offset, q_pos, pred_pos, key_valid, L, feed_back)
+        run = _SimulationStep(model, settings, offset, step, q_pos, pred_pos, key_valid, L, feed_back, reduce)
+        inputs = (batch.input_ids, k_true, v_true, *pred_keys, *pred_values)
         if settings.recompute and torch.is_grad_enabled():
-            results = checkpoint(run, batch.input_ids, k_true, v_true, *bank, use_reentrant=False)
+            results = checkpoint(run, *inputs, use_reentrant=False)
         else:
-            results = run(batch.input_ids, k_true, v_true, *bank)
-        hidden = results[0]                                                    # [B, Lq, d]
+            results = run(*inputs)
         if feed_back:
-            bank = [*bank[:len(pred_pos)], results[1], *bank[len(pred_pos):], results[2]]
+            *results, kp, vp = results
+            pred_keys.append(kp)
+            pred_values.append(vp)
             pred_pos.append(q_pos)
-        out.append((step, q_pos, hidden))
+        out.append((step, q_pos, tuple(results)))
     return out
 
 
 class _SimulationStep:
     """One stage-2 step as a pure function of tensors, so it can be recomputed in backward."""
 
-    def __init__(self, model: BeagleDrafter, settings: StageSettings, offset: int, q_pos: Tensor,
-                 pred_pos: list[Tensor], key_valid: Tensor, length: int, feed_back: bool) -> None:
-        self.model, self.settings, self.offset, self.q_pos = model, settings, offset, q_pos
+    def __init__(self, model: BeagleDrafter, settings: StageSettings, offset: int, step: int, q_pos: Tensor,
+                 pred_pos: list[Tensor], key_valid: Tensor, length: int, feed_back: bool,
+                 reduce: StepReduce) -> None:
+        self.model, self.settings, self.offset, self.step, self.q_pos = model, settings, offset, step, q_pos
         self.pred_pos, self.key_valid, self.length, self.feed_back = list(pred_pos), key_valid, length, feed_back
+        self.reduce = reduce
 
     def __call__(self, input_ids: Tensor, k_true: Tensor, v_true: Tensor, *bank: Tensor) -> tuple[Tensor, ...]:
         n = len(self.pred_pos)
@@ -124,25 +142,35 @@ class _SimulationStep:
         v = torch.cat([v_true, *bank[n:]], dim=2)
         q_positions = self.q_pos.expand(B, Lq)
         hidden = self.model.forward_hidden(input_ids[:, self.q_pos], q_positions, k, v, mask)  # [B, Lq, d]
+        results = self.reduce(self.step, self.q_pos, hidden)
         if not self.feed_back:
-            return (hidden,)
+            return results
         fed_back = hidden.detach() if self.settings.detach_feedback else hidden
         kp, vp = self.model.project_keys(fed_back, q_positions)                            # [B, H_kv, Lq, hd]
-        return hidden, kp, vp
+        return (*results, kp, vp)
 
 
 def stage2_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
                 generator: torch.Generator | None = None) -> LossResult:
-    """Stage-2 loss: each simulated depth's mean loss weighted by its normalised β_j."""
+    """Stage-2 loss: each simulated depth's mean loss weighted by its normalised β_j.
+
+    Each step's loss is computed inside its (recomputed) block, against denominators fixed up front
+    from the loss mask, so no step keeps its draft states for backward."""
     B, L, d = batch.hidden.shape
-    weight_all = _row_weights(batch, offset, settings.window_size)             # [B, L]
-    steps = simulate(model, batch, offset, settings, generator)
-    rows_hidden = torch.cat([h.reshape(-1, d) for _, _, h in steps])
-    rows_target = torch.cat([batch.hidden[:, q].reshape(-1, d) for _, q, _ in steps])
-    rows_weight = torch.cat([weight_all[:, q].reshape(-1) for _, q, _ in steps])
-    rows_depth = torch.cat([torch.full((B * q.numel(),), j, device=q.device, dtype=torch.long)
-                            for j, q, _ in steps])
-    return drafter_loss(rows_hidden, rows_target, rows_weight, rows_depth, model.lm_head,
-                        num_depths=settings.window_size,
-                        depth_weights=beta_weights(settings.simulation_steps),
-                        regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)
+    k = settings.window_size
+    weight_all = _row_weights(batch, offset, k)                                 # [B, L]
+    weight_sum = torch.zeros(k, device=weight_all.device)
+    for step in range(1, min(settings.simulation_steps, k) + 1):
+        weight_sum[step - 1] = weight_all[:, depth_positions(L, k, offset, step, weight_all.device)].sum()
+    scale = depth_scale(global_sum(weight_sum), beta_weights(settings.simulation_steps))  # [k]
+
+    def step_loss(step: int, q_pos: Tensor, hidden: Tensor) -> tuple[Tensor, ...]:
+        sums = depth_sums(hidden.reshape(-1, d), batch.hidden[:, q_pos].reshape(-1, d),
+                          weight_all[:, q_pos].reshape(-1),
+                          torch.full((B * q_pos.numel(),), step, device=q_pos.device, dtype=torch.long),
+                          model.lm_head, num_depths=k, chunk_size=settings.vocab_chunk)
+        return sums.token, sums.regression, sums.correct, sums.count
+
+    steps = simulate(model, batch, offset, settings, generator, reduce=step_loss)
+    token, regression, correct, count = (sum(parts) for parts in zip(*(r for _, _, r in steps)))
+    return combine(DepthSums(token, regression, weight_sum, correct, count), scale, settings.regression_weight)

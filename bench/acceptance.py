@@ -23,7 +23,7 @@ def _beagle_chain_tokens(model: BeagleDrafter, batch, depth: int) -> dict[int, t
     out = {}
     for offset in range(depth):
         tokens = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
-        for _, q_pos, hidden in simulate(model, batch, offset, settings):
+        for _, q_pos, (hidden,) in simulate(model, batch, offset, settings):
             tokens[:, q_pos] = model.logits(hidden).argmax(-1)
         out[offset] = tokens
     return out

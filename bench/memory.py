@@ -75,10 +75,9 @@ def main() -> None:
                   f"TTT {ttt[3] / ttt[0]:.2f}x ({ttt[0] / 2**20:.0f}→{ttt[3] / 2**20:.0f} MiB); "
                   f"no recompute {rows['stage 2 no recompute'][3] / rows['stage 2 no recompute'][0]:.2f}x",
                   settings,
-                  why="the shared key banks stay flat, but s=4 trains 4x the rows of s=1 (1/k of L per step) and "
-                      "the loss keeps each trained row's draft and target state (~2 x d floats) for backward; "
-                      "folding each step's loss into its recomputed block would remove that at the cost of a "
-                      "second LM-head pass")], args.json)
+                  why="each step's loss is computed inside its recomputed block, so nothing per trained row is "
+                      "kept; what still grows is the predicted-key bank (one step's keys and values, ≤ L slots "
+                      "in all), larger relative to the rest with short sequences or many KV heads")], args.json)
 
 
 if __name__ == "__main__":
