@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from beagle.data import Batch
 from beagle.losses import LossResult, drafter_loss
-from beagle.model import DrafterConfig, RMSNorm, SwiGLU, _SDPA_HAS_GQA, register_frozen_head, rotary
+from beagle.model import DrafterConfig, RMSNorm, SwiGLU, _SDPA_HAS_GQA, loss_head, register_frozen_head, rotary
 
 DRAFTER_TYPE = "eagle2"
 # EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; drafter_loss returns CE + regression_weight·SmoothL1 (10 by default).
@@ -178,7 +178,7 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
     weight[:, 1:-1] = batch.loss_mask[:, 2:].float()    # row p predicts t_{p+1}; row 0 has no state
     depths = torch.ones(B * L, dtype=torch.long, device=hidden.device)
     result = drafter_loss(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1), depths,
-                          model.lm_head, num_depths=1, depth_weights=None,
+                          loss_head(model), num_depths=1, depth_weights=None,
                           regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)
     return LossResult(LOSS_SCALE * result.loss, result.token_loss, result.regression_loss,
                       result.correct, result.count)

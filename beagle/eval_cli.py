@@ -62,6 +62,20 @@ def _reduce_vocabulary(drafter, meta: dict, size: int, stores: tuple[str, ...], 
     return ReducedVocabDrafter(drafter, tokens)
 
 
+def _trained_vocabulary(drafter, tokens: list[int], eos: set[int]):
+    """Draft over the vocabulary the drafter's token loss was trained on, plus EOS (so a draft can end)."""
+    import torch
+
+    from beagle.decoding.draft_vocab import ReducedVocabDrafter
+
+    vocab = drafter.config.vocab_size
+    bad = [t for t in tokens if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"the drafter's config.json lists draft_vocab ids {bad[:5]} outside the target's "
+                         f"vocabulary of {vocab}; the drafter was trained for another target")
+    return ReducedVocabDrafter(drafter, torch.tensor(sorted(set(int(t) for t in tokens) | set(eos))))
+
+
 @click.command("eval")
 @click.option("--model", "model_path", required=True, type=click.Path(exists=True, file_okay=False),
               help="Local HF directory of the target causal LM.")
@@ -89,8 +103,9 @@ def _reduce_vocabulary(drafter, meta: dict, size: int, stores: tuple[str, ...], 
 @click.option("--drafter-dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
               help="Drafter dtype if not --dtype (bf16 halves its LM-head reads; the target still decides).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
-@click.option("--draft-vocab", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Score only the N most frequent predicted tokens in the drafter's LM head (0 = all).")
+@click.option("--draft-vocab", default=None, type=click.IntRange(min=0),
+              help="Score only the N most frequent predicted tokens in the drafter's LM head (0 = all). "
+                   "Default: the vocabulary the drafter was trained on (`train --draft-vocab`), else all.")
 @click.option("--draft-vocab-store", multiple=True,
               help="Store(s) to count token frequencies in (default: the stores in the drafter's config.json).")
 @click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (spec §5 variant).")
@@ -127,6 +142,10 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         if draft_vocab:
             drafter = _reduce_vocabulary(drafter, meta, draft_vocab, draft_vocab_store, eos)
+        elif draft_vocab is None and meta.get("draft_vocab"):
+            drafter = _trained_vocabulary(drafter, meta["draft_vocab"], eos)
+            click.echo(f"drafting over the {drafter.tokens.numel()}-token vocabulary the drafter was trained on "
+                       "(--draft-vocab 0 for all)")
     except (ValueError, FileNotFoundError, StoreError) as error:
         raise click.UsageError(str(error)) from None
 

@@ -136,6 +136,23 @@ def register_frozen_head(module: nn.Module, config: DrafterConfig, embed_tokens:
     module.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
 
 
+def restrict_loss_vocabulary(module: nn.Module, tokens: Tensor) -> None:
+    """Train the token loss over `tokens` [N] (a reduced draft vocabulary) instead of the full LM head.
+
+    Why: on a CPU the [N, V] logits of the soft cross-entropy are most of a training step (V = 49k for
+    SmolLM2); scoring the draft vocabulary that decoding uses anyway makes a step several times cheaper
+    and matches training to drafting. Both distributions are renormalised over the subset."""
+    tokens = tokens.to(module.lm_head.device)
+    module.register_buffer("loss_tokens", tokens, persistent=False)
+    module.register_buffer("loss_head", module.lm_head[tokens].contiguous(), persistent=False)  # [N, d]
+
+
+def loss_head(module: nn.Module) -> Tensor:
+    """The LM-head rows the token loss scores: the reduced vocabulary when set, else the full head."""
+    head = getattr(module, "loss_head", None)
+    return module.lm_head if head is None else head
+
+
 class BeagleDrafter(nn.Module):
     """The drafter block. Embedding and LM head are frozen non-persistent buffers:
     `.to()` moves them, `state_dict()` (the exported weights) leaves them out."""

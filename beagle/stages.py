@@ -17,7 +17,7 @@ from beagle.data import Batch
 from beagle.distributed import global_sum
 from beagle.losses import DepthSums, LossResult, beta_weights, combine, depth_scale, depth_sums, drafter_loss
 from beagle.masks import depth, depth_positions, stage1_mask, stage2_mask, window_index
-from beagle.model import BeagleDrafter
+from beagle.model import BeagleDrafter, loss_head
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def stage1_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
     weight = _row_weights(batch, offset, settings.window_size)
     depths = depth(torch.arange(L, device=dev), settings.window_size, offset).expand(B, L)
     return drafter_loss(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1),
-                        depths.reshape(-1), model.lm_head, num_depths=settings.window_size,
+                        depths.reshape(-1), loss_head(model), num_depths=settings.window_size,
                         depth_weights=None, regression_weight=settings.regression_weight,
                         chunk_size=settings.vocab_chunk)
 
@@ -168,7 +168,7 @@ def stage2_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
         sums = depth_sums(hidden.reshape(-1, d), batch.hidden[:, q_pos].reshape(-1, d),
                           weight_all[:, q_pos].reshape(-1),
                           torch.full((B * q_pos.numel(),), step, device=q_pos.device, dtype=torch.long),
-                          model.lm_head, num_depths=k, chunk_size=settings.vocab_chunk)
+                          loss_head(model), num_depths=k, chunk_size=settings.vocab_chunk)
         return sums.token, sums.regression, sums.correct, sums.count
 
     steps = simulate(model, batch, offset, settings, generator, reduce=step_loss)

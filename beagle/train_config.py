@@ -38,6 +38,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
     vocab_chunk: int = 8192               # soft cross-entropy computed over this many vocab rows at once
+    draft_vocab: int = 0                  # N > 0: token loss over the N most frequent predicted tokens only
     # runtime
     seed: int = 0
     device: str = "auto"                  # auto | cpu | cuda | cuda:N
@@ -61,6 +62,7 @@ class TrainConfig:
             (self.noise_std >= 0, "noise_std must be >= 0"),
             (self.grad_clip > 0, "grad_clip must be > 0"),
             (self.vocab_chunk >= 1, "vocab_chunk must be >= 1"),
+            (self.draft_vocab >= 0, "draft_vocab must be >= 0 (0 = the full vocabulary)"),
             (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
         ]
         for ok, message in checks:

@@ -20,7 +20,7 @@ from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
 from beagle.eagle2 import Eagle2Drafter, eagle2_loss
 from beagle.export import save_drafter
-from beagle.model import BeagleDrafter, DrafterConfig
+from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
 from beagle.train_config import TrainConfig
 
@@ -71,6 +71,16 @@ def _check_resume(run_dir: Path, saved: dict[str, Any], data: StoreSet, config: 
     return config
 
 
+def _draft_vocabulary(data: StoreSet, config: TrainConfig, vocab_size: int) -> torch.Tensor | None:
+    """The reduced vocabulary the token loss is trained on (config.draft_vocab most frequent predicted
+    tokens of the stores), or None for the full vocabulary. Exported so `eval` drafts over the same."""
+    if not config.draft_vocab or config.draft_vocab >= vocab_size:
+        return None
+    from beagle.decoding.draft_vocab import frequent_tokens
+
+    return frequent_tokens(data.stores, config.draft_vocab, vocab_size)
+
+
 def _trim_metrics(path: Path, last_step: int) -> None:
     """Drop lines logged after the checkpoint we resume from (they will be recomputed)."""
     if not path.is_file():
@@ -117,6 +127,9 @@ def _train(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: boo
     torch.manual_seed(config.seed)
     drafter_class = Eagle2Drafter if config.drafter == "eagle2" else BeagleDrafter
     model = drafter_class(drafter_config, head["embed_tokens"].float(), head["lm_head"].float()).to(device)
+    draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size)
+    if draft_tokens is not None:
+        restrict_loss_vocabulary(model, draft_tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                   weight_decay=config.weight_decay)
     generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -215,6 +228,7 @@ def _train(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: boo
     save_drafter(run_dir / "drafter", model, metadata={
         "dataset_ids": data.dataset_ids, "stores": data.urls, "target": fingerprint(data.target),
         "train_steps": step, "window_size": config.window_size, "simulation_steps": config.simulation_steps,
+        **({} if draft_tokens is None else {"draft_vocab": draft_tokens.tolist()}),
     })
     if draw_curves:
         from beagle.curves import draw_curves as draw

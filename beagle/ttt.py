@@ -14,7 +14,7 @@ from torch import Tensor
 
 from beagle.data import Batch
 from beagle.losses import LossResult, beta_weights, drafter_loss
-from beagle.model import BeagleDrafter
+from beagle.model import BeagleDrafter, loss_head
 from beagle.stages import StageSettings, noisy_keys
 
 
@@ -60,7 +60,7 @@ def ttt_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSet
     weights = [next_mask * (pos >= step).float()[None] for step in range(1, len(steps) + 1)]  # a true key exists
     depths = torch.cat([torch.full((B * L,), j, device=dev, dtype=torch.long) for j in range(1, len(steps) + 1)])
     return drafter_loss(torch.cat([h.reshape(-1, d) for h in steps]), batch.hidden.reshape(-1, d).repeat(len(steps), 1),
-                        torch.cat([w.reshape(-1) for w in weights]), depths, model.lm_head,
+                        torch.cat([w.reshape(-1) for w in weights]), depths, loss_head(model),
                         num_depths=settings.simulation_steps,
                         depth_weights=beta_weights(settings.simulation_steps),
                         regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)

@@ -134,6 +134,24 @@ def test_eval_with_a_reduced_draft_vocabulary(setup, tmp_path):
 
 
 @pytest.mark.slow
+def test_eval_drafts_over_the_vocabulary_the_drafter_was_trained_on(setup, tmp_path):
+    root, prompts, tokenizer = setup
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / "target")
+    save_drafter(tmp_path / "drafter", bigram_drafter(model),
+                 metadata={"target": {"name": "tiny"}, "draft_vocab": list(range(6, 26))})
+    base = ["eval", "--model", str(root / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts",
+            str(prompts), "--max-new-tokens", "12", "--chain", "--no-progress"]
+    result = CliRunner().invoke(main, base)
+    assert result.exit_code == 0, result.output
+    assert "drafting over the 21-token vocabulary" in result.output  # 20 trained ids + EOS
+    assert "outputs match plain greedy decoding" in result.output
+    result = CliRunner().invoke(main, base + ["--draft-vocab", "0"])
+    assert result.exit_code == 0 and "drafting over" not in result.output
+
+
+@pytest.mark.slow
 def test_eval_runs_an_eagle2_baseline_drafter(setup, tmp_path):
     from transformers import AutoModelForCausalLM
 

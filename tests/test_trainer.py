@@ -146,3 +146,28 @@ def test_training_imports_neither_ray_nor_transformers(store, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_reduced_draft_vocabulary_trains_the_token_loss_on_it_and_is_exported(store, tmp_path):
+    from beagle.decoding.draft_vocab import frequent_tokens
+    from beagle.model import loss_head, restrict_loss_vocabulary
+    from beagle.stages import StageSettings, stage1_loss
+
+    config = TrainConfig(**{**FAST, "stage1_epochs": 1, "stage2_epochs": 1, "max_steps": 6, "draft_vocab": 20})
+    train([store], tmp_path / "run", config, draw_curves=False)
+    exported = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    data = StoreSet([store])
+    tokens = frequent_tokens(data.stores, 20, data.target["architecture"]["vocab_size"])
+    assert exported["draft_vocab"] == tokens.tolist() and len(tokens) == 20
+
+    head = data.load_head()
+    model = BeagleDrafter(DrafterConfig.from_architecture(data.target["architecture"]),
+                          head["embed_tokens"], head["lm_head"])
+    batch = collate([data.sample(i, 1000) for i in range(4)])
+    settings = StageSettings(3, 2, 0.0, 0.0, 128)  # token loss only
+    full = stage1_loss(model, batch, 0, settings).loss
+    restrict_loss_vocabulary(model, tokens)
+    assert torch.equal(loss_head(model), head["lm_head"][tokens])
+    reduced = stage1_loss(model, batch, 0, settings).loss
+    assert 0 < reduced < full  # a soft CE over 20 tokens instead of the whole vocabulary

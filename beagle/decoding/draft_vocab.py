@@ -16,19 +16,21 @@ from torch import Tensor, nn
 logger = logging.getLogger(__name__)
 
 
-def frequent_tokens(store_urls: list[str], size: int, vocab_size: int, always: set[int] = frozenset()) -> Tensor:
-    """The `size` tokens most often predicted (loss-masked positions) in the stores, plus `always` ids."""
+def frequent_tokens(stores: list, size: int, vocab_size: int, always: set[int] = frozenset()) -> Tensor:
+    """The `size` tokens most often predicted (loss-masked positions) in the stores (URLs or opened
+    FeatureStores), plus `always` ids. Deterministic: ties go to the smaller id, so the trainer and
+    `eval` pick the same tokens from the same stores."""
     from pipeline.store import open_store
 
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for url in store_urls:
-        store = open_store(url)
+    for store in stores:
+        store = open_store(store) if isinstance(store, str) else store
         for index in range(len(store)):
             sample = store.get_numpy(index)
             ids, mask = np.asarray(sample["input_ids"]), np.asarray(sample["loss_mask"]).astype(bool)
             counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     if not counts.any():
-        raise ValueError(f"no loss-masked tokens in {store_urls}; cannot choose a draft vocabulary")
+        raise ValueError("no loss-masked tokens in the stores; cannot choose a draft vocabulary")
     order = np.lexsort((np.arange(vocab_size), -counts))  # most frequent first, ties by id
     chosen = set(int(t) for t in order[:size]) | {int(t) for t in always}
     covered = counts[sorted(chosen)].sum() / counts.sum()
