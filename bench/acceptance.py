@@ -17,19 +17,26 @@ from beagle.model import BeagleDrafter
 from beagle.stages import StageSettings, simulate
 
 
-def _beagle_chain_tokens(model: BeagleDrafter, batch, depth: int) -> dict[int, torch.Tensor]:
+def _top1(model, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+    """Draft top-1 token ids [B, L] from states [B, L, d], over `vocab` [N] only when given."""
+    if vocab is None:
+        return model.logits(hidden).argmax(-1)
+    return vocab[(hidden @ model.lm_head[vocab].to(hidden.dtype).T).argmax(-1)]
+
+
+def _beagle_chain_tokens(model: BeagleDrafter, batch, depth: int, vocab=None) -> dict[int, torch.Tensor]:
     """{offset: draft top-1 [B, L] where row p holds the token drafted at p's depth in windows of `depth`}."""
     settings = StageSettings(depth, depth, 0.0, 10.0, 8192, recompute=False)
     out = {}
     for offset in range(depth):
         tokens = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
         for _, q_pos, (hidden,) in simulate(model, batch, offset, settings):
-            tokens[:, q_pos] = model.logits(hidden).argmax(-1)
+            tokens[:, q_pos] = _top1(model, hidden, vocab)
         out[offset] = tokens
     return out
 
 
-def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int) -> dict[int, torch.Tensor]:
+def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int, vocab=None) -> dict[int, torch.Tensor]:
     """Same layout for EAGLE-2: at step j every row p drafts depth j for the root n = p - j."""
     B, L, d = batch.hidden.shape
     pos = torch.arange(L)
@@ -50,7 +57,7 @@ def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int) -> dict[int, t
         valid = (pos[None, :] < batch.lengths[:, None]).repeat(1, step + 1)
         mask = torch.cat(blocks, dim=1)[None, None] & valid[:, None, None, :]
         hidden = model.attend(z, positions, torch.cat(keys, 2), torch.cat(values, 2), mask)  # [B, L, d]
-        per_step.append(model.logits(hidden).argmax(-1))
+        per_step.append(_top1(model, hidden, vocab))
         parent = torch.cat([hidden.new_zeros(B, 1, d), hidden[:, :-1]], dim=1)   # row p's parent: row p-1
     out = {}
     for offset in range(depth):
@@ -64,8 +71,9 @@ def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int) -> dict[int, t
 
 @torch.inference_mode()
 def chain_acceptance(model, store_url: str, *, depth: int = 5, samples: int = 16, limit: int = 512,
-                     first: int = 0) -> tuple[float, list[float]]:
-    """(τ, [α_1..α_depth]) over `samples` samples of the store starting at index `first`."""
+                     first: int = 0, vocab: torch.Tensor | None = None) -> tuple[float, list[float]]:
+    """(τ, [α_1..α_depth]) over `samples` samples of the store starting at index `first`; `vocab` [N]
+    restricts drafting to a reduced vocabulary (as `eval` does for a drafter trained with one)."""
     data = StoreSet([store_url])
     head = data.load_head()
     indices = [i % len(data) for i in range(first, first + samples)]
@@ -79,7 +87,7 @@ def chain_acceptance(model, store_url: str, *, depth: int = 5, samples: int = 16
         on_data = torch.zeros(L, dtype=torch.bool)
         on_data[:-1] = greedy[:-1] == batch.input_ids[0, 1:]
         chains = (_eagle2_chain_tokens if isinstance(model, Eagle2Drafter) else _beagle_chain_tokens)(
-            model, batch, depth)
+            model, batch, depth, vocab)
         for offset, drafted in chains.items():
             for n in range(offset - 1, L - depth - 1, depth):
                 if n < 0:

@@ -55,3 +55,9 @@ def test_offline_eagle2_chain_matches_the_decode_time_cache(tmp_path):
                            head["lm_head"]).eval()
     tau, alphas = chain_acceptance(beagle, url, depth=3, samples=2)
     assert 1.0 <= tau <= 4.0 and len(alphas) == 3
+    vocab_size = data.target["architecture"]["vocab_size"]
+    assert chain_acceptance(beagle, url, depth=3, samples=2, vocab=torch.arange(vocab_size)) == (tau, alphas)
+    # a drafter confined to one token the target never predicts accepts nothing
+    greedy = set((data.sample(0, 512)[2].float() @ head["lm_head"].float().T).argmax(-1).tolist())
+    unused = next(t for t in range(vocab_size) if t not in greedy)
+    assert chain_acceptance(beagle, url, depth=3, samples=1, vocab=torch.tensor([unused]))[0] == 1.0
