@@ -34,6 +34,7 @@ class DemoSize:
     stage1_epochs: int
     stage2_epochs: int
     train_batch_tokens: int
+    draft_vocab: int          # token loss (and drafting) over the most frequent predicted tokens
     lr: float
     warmup_steps: int
     eval_prompts: int         # MT-Bench questions (two turns each)
@@ -42,16 +43,18 @@ class DemoSize:
     eval_dtype: str = "float32"  # greedy equality with plain decoding is checked in one dtype
 
 
-# Measured on 2 shared CPU cores (docs/quickstart.md): extraction ~1,100 tokens/s, training ~550 tokens/s,
-# plain greedy decoding ~22 tokens/s. 300 records give ~256 samples and ~215k tokens at 1024: extract
-# ~3.5 min, train one epoch per stage ~13 min, eval ~3 min; about 21 minutes with preparation.
-# A drafter trained this briefly accepts little (τ ≈ 1.1-1.4): on a CPU a short chain costs less per round
+# Measured on 2 shared CPU cores (docs/quickstart.md): extraction ~1,100 tokens/s, training ~2,200 tokens/s
+# with an 8192-token draft vocabulary (~550 with the full 49k), plain greedy decoding ~22 tokens/s. 600 records
+# give ~540 samples and ~450k tokens at 1024: extract ~7 min, train two stage-1 epochs and one stage-2 epoch
+# ~10 min, eval ~3 min; about 22 minutes with preparation.
+# A drafter trained this briefly accepts little (τ ≈ 1.1-1.6): on a CPU a short chain costs less per round
 # than a tree, so the demo drafts a chain of 3; `--tree` is the method's default for GPUs.
 SIZES = {
-    "default": DemoSize("default", conversations=300, max_length=1024, stage1_epochs=1, stage2_epochs=1,
-                        train_batch_tokens=4096, lr=1e-3, warmup_steps=10, eval_prompts=5, max_new_tokens=128),
+    "default": DemoSize("default", conversations=600, max_length=1024, stage1_epochs=2, stage2_epochs=1,
+                        train_batch_tokens=4096, draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5,
+                        max_new_tokens=128),
     "smoke": DemoSize("smoke", conversations=16, max_length=256, stage1_epochs=1, stage2_epochs=1,
-                      train_batch_tokens=1024, lr=1e-3, warmup_steps=2, eval_prompts=1, max_new_tokens=24),
+                      train_batch_tokens=1024, draft_vocab=8192, lr=1e-3, warmup_steps=2, eval_prompts=1, max_new_tokens=24),
 }
 
 
@@ -86,6 +89,7 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool) -> list
         ("train", ["train", "--store", str(out / "store"), "--out", str(out / "train"),
                    "--stage1-epochs", str(size.stage1_epochs), "--stage2-epochs", str(size.stage2_epochs),
                    "--batch-tokens", str(size.train_batch_tokens), "--max-length", str(size.max_length),
+                   "--draft-vocab", str(size.draft_vocab),
                    "--lr", str(size.lr), "--warmup-steps", str(size.warmup_steps),
                    "--progress" if progress else "--no-progress"]),
         ("eval", ["eval", "--model", str(cache.model_dir), "--drafter", str(out / "train" / "drafter"),
