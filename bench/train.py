@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from beagle.data import Batch, Loader, StoreSet, plan_epoch
-from beagle.model import BeagleDrafter, DrafterConfig
+from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
 from beagle.profiling import count_saved_bytes
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
 from pipeline.store import write_store
@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--store-samples", type=int, default=16)
+    parser.add_argument("--draft-vocab", type=int, default=8192,
+                        help="also time stage 1 and stage 2 s=4 with the token loss over N tokens (0: skip)")
     args = parser.parse_args()
     device = torch.device(args.device)
     autocast = device.type == "cuda"
@@ -120,14 +122,21 @@ def main() -> None:
     print(f"preset {args.preset}, batch {args.batch} x {args.length} tokens, k={k}, device {device}, "
           f"threads {torch.get_num_threads()}")
     memory_kind = "peak alloc MiB" if device.type == "cuda" else "saved-for-backward MiB"
-    print(f"{'run':<28}{'step ms':>10}{'tokens/s':>11}{memory_kind:>24}")
+    print(f"{'run':<34}{'step ms':>10}{'tokens/s':>11}{memory_kind:>24}")
     rows = [("stage 1", stage1_loss, StageSettings(k, k, 0.2, 10.0, 8192))]
     rows += [(f"stage 2 s={s}", stage2_loss, StageSettings(k, s, 0.2, 10.0, 8192)) for s in range(1, k + 1)]
     rows += [(f"stage 2 s={s} no recompute", stage2_loss, StageSettings(k, s, 0.2, 10.0, 8192, recompute=False))
              for s in (1, k)]
-    for name, fn, settings in rows:
-        seconds, memory = _measure(model, batch, fn, settings, device, autocast, args.repeats)
-        print(f"{name:<28}{seconds * 1e3:>10.1f}{tokens / seconds:>11.0f}{memory / 2**20:>24.1f}")
+    models = [model] * len(rows)
+    if 0 < args.draft_vocab < cfg.vocab_size:
+        reduced = BeagleDrafter(cfg, model.embed_tokens, model.lm_head).to(device)
+        restrict_loss_vocabulary(reduced, torch.arange(args.draft_vocab))  # which tokens does not change the cost
+        rows += [(f"stage 1, draft vocab {args.draft_vocab}", stage1_loss, StageSettings(k, k, 0.2, 10.0, 8192)),
+                 (f"stage 2 s=4, draft vocab {args.draft_vocab}", stage2_loss, StageSettings(k, min(4, k), 0.2, 10.0, 8192))]
+        models += [reduced, reduced]
+    for (name, fn, settings), run_model in zip(rows, models):
+        seconds, memory = _measure(run_model, batch, fn, settings, device, autocast, args.repeats)
+        print(f"{name:<34}{seconds * 1e3:>10.1f}{tokens / seconds:>11.0f}{memory / 2**20:>24.1f}")
     fraction = _data_wait(cfg, model, device, autocast, args.store_samples, args.length, tokens)
     print(f"data-wait fraction (stage 1 over a {args.store_samples}-sample bf16 store): {fraction:.3f}")
 
