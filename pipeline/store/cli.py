@@ -36,6 +36,7 @@ def info_facts(manifest: dict) -> dict:
         "target": {k: v for k, v in manifest["target"].items() if k != "architecture"},
         "architecture": manifest["target"].get("architecture", {}),
         "store_bytes": store_bytes,
+        "head_bytes": manifest["files"].get("head.safetensors", {}).get("bytes", 0),
         "shards": [{k: s[k] for k in ("name", "samples", "tokens", "bytes")} for s in manifest["shards"]],
     }
 
@@ -58,6 +59,7 @@ def info(store: str, as_json: bool) -> None:
     tokens = max(1, facts["num_tokens"])
     raw = facts["num_tokens"] * len(facts["layers"]) * facts["hidden_size"] * \
         {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 2}[facts["dtype"]]
+    per_token = facts["store_bytes"] - facts["head_bytes"]
     rows = [
         ("store", store),
         ("dataset_id", facts["dataset_id"]),
@@ -71,8 +73,10 @@ def info(store: str, as_json: bool) -> None:
         ("rejected", f"{facts['num_rejected']:,} " + (json.dumps(facts["rejected_by_reason"])
                                                       if facts["num_rejected"] else "")),
         ("shards", len(facts["shards"])),
-        ("size", f"{_human_bytes(facts['store_bytes'])} ({facts['store_bytes'] / tokens:,.0f} bytes/token, "
-                 f"{facts['store_bytes'] / max(1, raw):.3f} x raw {'bf16' if facts['dtype'] == 'float8_e4m3' else ''})"),
+        # The frozen head is a fixed cost per store; per-token figures leave it out, as extract's summary does.
+        ("size", f"{_human_bytes(facts['store_bytes'])} ({per_token / tokens:,.0f} bytes/token + head "
+                 f"{_human_bytes(facts['head_bytes'])}; {per_token / max(1, raw):.3f} x raw"
+                 f"{' bf16' if facts['dtype'] == 'float8_e4m3' else ''})"),
     ]
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
