@@ -142,9 +142,8 @@ def restrict_loss_vocabulary(module: nn.Module, tokens: Tensor) -> None:
     Why: on a CPU the [N, V] logits of the soft cross-entropy are most of a training step (V = 49k for
     SmolLM2); scoring the draft vocabulary that decoding uses anyway makes a step several times cheaper
     and matches training to drafting. Both distributions are renormalised over the subset."""
-    tokens = tokens.to(module.lm_head.device)
-    module.register_buffer("loss_tokens", tokens, persistent=False)
-    module.register_buffer("loss_head", module.lm_head[tokens].contiguous(), persistent=False)  # [N, d]
+    module.register_buffer("loss_head", module.lm_head[tokens.to(module.lm_head.device)].contiguous(),
+                           persistent=False)  # [N, d]
 
 
 def loss_head(module: nn.Module) -> Tensor:
