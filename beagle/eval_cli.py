@@ -62,20 +62,6 @@ def _reduce_vocabulary(drafter, meta: dict, size: int, stores: tuple[str, ...], 
     return ReducedVocabDrafter(drafter, tokens)
 
 
-def _trained_vocabulary(drafter, tokens: list[int], eos: set[int]):
-    """Draft over the vocabulary the drafter's token loss was trained on, plus EOS (so a draft can end)."""
-    import torch
-
-    from beagle.decoding.draft_vocab import ReducedVocabDrafter
-
-    vocab = drafter.config.vocab_size
-    bad = [t for t in tokens if not 0 <= int(t) < vocab]
-    if bad:
-        raise ValueError(f"the drafter's config.json lists draft_vocab ids {bad[:5]} outside the target's "
-                         f"vocabulary of {vocab}; the drafter was trained for another target")
-    return ReducedVocabDrafter(drafter, torch.tensor(sorted(set(int(t) for t in tokens) | set(eos))))
-
-
 @click.command("eval")
 @click.option("--model", "model_path", required=True, type=click.Path(exists=True, file_okay=False),
               help="Local HF directory of the target causal LM.")
@@ -143,7 +129,9 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         if draft_vocab:
             drafter = _reduce_vocabulary(drafter, meta, draft_vocab, draft_vocab_store, eos)
         elif draft_vocab is None and meta.get("draft_vocab"):
-            drafter = _trained_vocabulary(drafter, meta["draft_vocab"], eos)
+            from beagle.decoding.draft_vocab import trained_vocabulary
+
+            drafter = trained_vocabulary(drafter, meta["draft_vocab"], eos)
             click.echo(f"drafting over the {drafter.tokens.numel()}-token vocabulary the drafter was trained on "
                        "(--draft-vocab 0 for all)")
     except (ValueError, FileNotFoundError, StoreError) as error:

@@ -68,12 +68,21 @@ def p6(work: Path, quick: bool, drafter: Path) -> list[dict]:
             speedup = float(cells[5].rstrip("x"))
             records.append(record(
                 "P6", f"speculative ÷ plain tokens/s, {cells[0]}", speedup, 2.0, ">=",
-                f"{cells[4]} vs {cells[3]} tokens/s, τ {cells[1]}, α {cells[2]}, greedy match {cells[6]}",
+                f"{cells[4]} vs {cells[3]} tokens/s, τ {cells[1]}, α {cells[2]}, identical outputs {cells[6]} "
+                "(bf16 rounds one- and many-token passes differently; fp32 equality is tested)",
                 {"prompts": limit, "max_new_tokens": new, "dtype": "bfloat16",
-                 "drafter": str(drafter) if drafter.is_dir() else "untrained"},
+                 "drafter": _relative(drafter) if drafter.is_dir() else "untrained"},
                 why="the drafter trained in this run for a few CPU minutes has τ near 1; the speedup can only "
                     "reach 2 with τ well above 2 (a well-trained drafter)"))
     return records
+
+
+def _relative(path: Path) -> str:
+    """A path as the docs should show it: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def render(records: list[dict], commands: list[str], quick: bool, seconds: float) -> str:

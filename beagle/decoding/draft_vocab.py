@@ -38,6 +38,18 @@ def frequent_tokens(stores: list, size: int, vocab_size: int, always: set[int] =
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def trained_vocabulary(drafter: nn.Module, tokens: list[int], eos: set[int]) -> "ReducedVocabDrafter":
+    """Draft over the vocabulary the drafter's token loss was trained on (`train --draft-vocab`, listed
+    in its config.json), plus the EOS ids so that a draft can end. Outside it the drafter's logits were
+    never trained, so drafting over the full vocabulary would pick untrained tokens."""
+    vocab = drafter.config.vocab_size
+    bad = [t for t in tokens if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"the drafter's config.json lists draft_vocab ids {bad[:5]} outside the target's "
+                         f"vocabulary of {vocab}; the drafter was trained for another target")
+    return ReducedVocabDrafter(drafter, torch.tensor(sorted({int(t) for t in tokens} | set(eos))))
+
+
 class ReducedVocabDrafter(nn.Module):
     """A drafter (Beagle or EAGLE-2) whose logits are computed for `tokens` only; every other token
     gets -inf."""
