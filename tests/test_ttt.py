@@ -92,6 +92,6 @@ def test_ttt_loss_falls_on_a_tiny_store(tmp_path):
         opt.zero_grad()
         result.loss.backward()
         opt.step()
-        losses.append(float(result.loss))
+        losses.append(result.loss.item())
         assert all(n > 0 for n in result.count)
     assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
