@@ -68,6 +68,17 @@ def test_round_trip_is_bit_exact(store_url, dtype):
         store[10]
 
 
+def test_token_reads_leave_the_hidden_states_unopened(store_url):
+    """`get_tokens` (token counts for a draft vocabulary) reads the sample table only."""
+    samples = make_samples(10, torch.bfloat16)
+    build(store_url, samples, "bfloat16")
+    store = open_store(store_url)
+    for index in [7, 0, -1]:
+        ids, mask = store.get_tokens(index)
+        assert ids.tolist() == samples[index]["input_ids"].tolist()
+        assert mask.astype(bool).tolist() == samples[index]["loss_mask"].tolist()
+    assert all("hidden" not in vars(shard) for shard in store._shards)  # cached_property never computed
+
 def test_several_layers_round_trip(tmp_path):
     samples = make_samples(5, torch.bfloat16, layers=3)
     build(str(tmp_path / "s"), samples, "bfloat16", layers=[4, 8, -1])

@@ -26,8 +26,8 @@ def frequent_tokens(stores: list, size: int, vocab_size: int, always: set[int] =
     for store in stores:
         store = open_store(store) if isinstance(store, str) else store
         for index in range(len(store)):
-            sample = store.get_numpy(index)
-            ids, mask = np.asarray(sample["input_ids"]), np.asarray(sample["loss_mask"]).astype(bool)
+            ids, mask = store.get_tokens(index)
+            ids, mask = np.asarray(ids), np.asarray(mask).astype(bool)
             counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     if not counts.any():
         raise ValueError("no loss-masked tokens in the stores; cannot choose a draft vocabulary")

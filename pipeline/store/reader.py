@@ -108,10 +108,16 @@ class _Shard:
         return [np.asarray(zarr.open_array(zstore, path=fmt.scale_array_name(layer), mode="r")[:])
                 for layer in self._store.layers]
 
-    def sample_numpy(self, row: int) -> dict[str, Any]:
+    def tokens_numpy(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids [L] and loss_mask [L] of one row, from the sample table alone (no state is read)."""
         table = self.table
         start, end = table["list_offsets"][row], table["list_offsets"][row + 1]
         mask_start = table["mask_offsets"][row]
+        return table["input_ids"][start:end], table["loss_mask"][mask_start:mask_start + (end - start)]
+
+    def sample_numpy(self, row: int) -> dict[str, Any]:
+        table = self.table
+        input_ids, loss_mask = self.tokens_numpy(row)
         first = int(table["token_offset"][row])
         length = int(table["length"][row])
         hidden = [array[first:first + length] for array in self.hidden]  # [L, d] views (memmap) or reads
@@ -119,8 +125,8 @@ class _Shard:
             hidden = [fp8.decode(codes, scales[first:first + length]) for codes, scales in zip(hidden, self.scales)]
         return {
             "sample_id": table["sample_id"][row],
-            "input_ids": table["input_ids"][start:end],
-            "loss_mask": table["loss_mask"][mask_start:mask_start + (end - start)],
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
             "hidden_states": hidden,
         }
 
@@ -210,6 +216,11 @@ class FeatureStore:
         (uint16 bit patterns for bfloat16; float32 decoded values for float8_e4m3; see `dtype`)."""
         shard, row = self._locate(index)
         return shard.sample_numpy(row)
+
+    def get_tokens(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids [L] and loss_mask [L] of one sample without touching its hidden states (token counts)."""
+        shard, row = self._locate(index)
+        return shard.tokens_numpy(row)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """`sample_id`, `input_ids` [L] int64, `loss_mask` [L] bool, `hidden_states` [n_layers, L, d]."""
