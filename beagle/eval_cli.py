@@ -50,18 +50,6 @@ def _check_stores(stores: list[str]) -> None:
         open_store(url, verify="first-read").lengths  # reading the tables hashes them first
 
 
-def _reduce_vocabulary(drafter, meta: dict, size: int, stores: tuple[str, ...], eos: set[int]):
-    from beagle.decoding.draft_vocab import ReducedVocabDrafter, frequent_tokens
-
-    stores = list(stores) or list(meta.get("stores") or [])
-    if not stores:
-        raise ValueError("--draft-vocab counts tokens in the training stores, and the drafter's config.json "
-                         "lists none: pass --draft-vocab-store STORE")
-    _check_stores(stores)
-    tokens = frequent_tokens(stores, size, drafter.config.vocab_size, always=eos)
-    return ReducedVocabDrafter(drafter, tokens)
-
-
 @click.command("eval")
 @click.option("--model", "model_path", required=True, type=click.Path(exists=True, file_okay=False),
               help="Local HF directory of the target causal LM.")
@@ -108,6 +96,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     import torch
     from tqdm import tqdm
 
+    from beagle.decoding.draft_vocab import select_draft_vocabulary
     from beagle.decoding.evaluation import evaluate_prompts
     from beagle.decoding.loading import load_drafter_for, load_target, pick_device
     from beagle.decoding.tree import DraftConfig
@@ -126,14 +115,11 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         model, tokenizer = load_target(model_path, dtype, torch_device)
         drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device)
         eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
-        if draft_vocab:
-            drafter = _reduce_vocabulary(drafter, meta, draft_vocab, draft_vocab_store, eos)
-        elif draft_vocab is None and meta.get("draft_vocab"):
-            from beagle.decoding.draft_vocab import trained_vocabulary
-
-            drafter = trained_vocabulary(drafter, meta["draft_vocab"], eos)
-            click.echo(f"drafting over the {drafter.tokens.numel()}-token vocabulary the drafter was trained on "
-                       "(--draft-vocab 0 for all)")
+        if draft_vocab and not draft_vocab_store:
+            _check_stores(list(meta.get("stores") or []))  # the training stores it will count tokens in
+        drafter, vocabulary_note = select_draft_vocabulary(drafter, meta, draft_vocab, list(draft_vocab_store), eos)
+        if vocabulary_note:
+            click.echo(vocabulary_note)
     except (ValueError, FileNotFoundError, StoreError) as error:
         raise click.UsageError(str(error)) from None
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from beagle.decoding import DraftConfig
-from beagle.decoding.draft_vocab import ReducedVocabDrafter, frequent_tokens, trained_vocabulary
+from beagle.decoding.draft_vocab import select_draft_vocabulary
 from beagle.decoding.evaluation import evaluate_prompts
 from beagle.decoding.loading import DTYPES, load_drafter_for, load_target, pick_device
 from beagle.model import BeagleDrafter, DrafterConfig
@@ -67,14 +67,9 @@ def main() -> None:
                                 model.get_output_embeddings().weight.detach()).to(device, DTYPES[drafter_dtype]).eval()
         which = "untrained drafter (overhead only)"
     eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
-    if args.draft_vocab:
-        stores = args.draft_vocab_store or list(meta.get("stores") or [])
-        drafter = ReducedVocabDrafter(drafter, frequent_tokens(stores, args.draft_vocab,
-                                                               model.config.vocab_size, always=eos))
-        which += f", draft vocabulary {args.draft_vocab}"
-    elif args.draft_vocab is None and meta.get("draft_vocab"):
-        drafter = trained_vocabulary(drafter, meta["draft_vocab"], eos)
-        which += f", its trained draft vocabulary ({drafter.tokens.numel()} tokens)"
+    drafter, vocabulary_note = select_draft_vocabulary(drafter, meta, args.draft_vocab, args.draft_vocab_store, eos)
+    if vocabulary_note:
+        which += f", {vocabulary_note}"
     items = load_prompts(args.prompts, args.limit)
     items = [type(item)(item.prompt_id, item.history, item.turns[:1]) for item in items]  # first turns only
 

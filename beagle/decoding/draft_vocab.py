@@ -50,6 +50,26 @@ def trained_vocabulary(drafter: nn.Module, tokens: list[int], eos: set[int]) -> 
     return ReducedVocabDrafter(drafter, torch.tensor(sorted({int(t) for t in tokens} | set(eos))))
 
 
+def select_draft_vocabulary(drafter: nn.Module, meta: dict, size: int | None, stores: list[str],
+                            eos: set[int]) -> tuple[nn.Module, str | None]:
+    """The drafter `eval` and `bench/decode.py` draft with, and a line saying which vocabulary it scores.
+
+    size N > 0: the N tokens most often predicted in `stores` (default: the drafter's training stores);
+    None: the vocabulary it was trained on (`train --draft-vocab`) when it has one, else all; 0: all."""
+    if size:
+        stores = list(stores) or list(meta.get("stores") or [])
+        if not stores:
+            raise ValueError("--draft-vocab counts tokens in the training stores, and the drafter's config.json "
+                             "lists none: pass --draft-vocab-store STORE")
+        reduced = ReducedVocabDrafter(drafter, frequent_tokens(stores, size, drafter.config.vocab_size, always=eos))
+        return reduced, f"drafting over the {reduced.tokens.numel()} most frequent predicted tokens"
+    if size is None and meta.get("draft_vocab"):
+        reduced = trained_vocabulary(drafter, meta["draft_vocab"], eos)
+        return reduced, (f"drafting over the {reduced.tokens.numel()}-token vocabulary the drafter was trained "
+                         "on (--draft-vocab 0 for all)")
+    return drafter, None
+
+
 class ReducedVocabDrafter(nn.Module):
     """A drafter (Beagle or EAGLE-2) whose logits are computed for `tokens` only; every other token
     gets -inf."""
