@@ -14,6 +14,7 @@ import click
 # name -> "module:attribute" of a click.Command. Kept in one table so `--help` lists them all.
 _COMMANDS: dict[str, str] = {
     "prepare-demo": "pipeline.demo.cli:prepare_demo",
+    "regenerate": "pipeline.regenerate.cli:regenerate",
     "extract": "pipeline.extract.cli:extract",
     "info": "pipeline.store.cli:info",
     "verify": "pipeline.store.cli:verify",
@@ -52,7 +53,8 @@ def main(verbose: int) -> None:
 
     \b
     Typical flow:
-      beagle-pipeline extract --model TARGET --data chats.jsonl --out STORE
+      beagle-pipeline regenerate --model TARGET --data chats.jsonl --out answers.jsonl  (optional)
+      beagle-pipeline extract --model TARGET --data answers.jsonl --out STORE
       beagle-pipeline train --store STORE --out RUN
       beagle-pipeline eval --model TARGET --drafter RUN/drafter --prompts question.jsonl
     """

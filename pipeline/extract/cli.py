@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
+from pipeline.ray_session import quiet_ray_loggers
 
 
 class _TqdmProgress:
@@ -81,14 +82,11 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
     Rerun the same command after a crash: committed shards are kept and the rest is redone.
     """
     import errno
-    import logging
 
     from pipeline.store import StoreError
 
-    if logging.getLogger().getEffectiveLevel() > logging.INFO and not dry_run:
-        import ray.data  # noqa: F401 - configures its loggers on import; quiet them afterwards
-        for name in ("ray", "ray.data"):  # Ray Data logs every execution at INFO
-            logging.getLogger(name).setLevel(logging.ERROR)
+    if not dry_run:
+        quiet_ray_loggers()
 
     config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
                            dtype=dtype, batch_tokens=batch_tokens, num_workers=num_workers,

@@ -39,7 +39,7 @@ REJECT_REASONS: dict[str, str] = {
 }
 
 # Role names seen in ShareGPT-style crawls, mapped to chat-template roles.
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
           "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
           "system": "system", "developer": "system"}
 
@@ -117,9 +117,9 @@ def normalize_conversation(turns: Any, role_key: str, content_key: str) -> tuple
             raise RejectRecord("missing_field", f"a turn has no `{role_key}`")
         if not isinstance(role, str):
             raise RejectRecord("wrong_type", f"`{role_key}` is {type(role).__name__}, not a string")
-        if role.lower() not in _ROLES:
+        if role.lower() not in ROLE_NAMES:
             raise RejectRecord("unknown_role", f"role {role!r}")
-        messages.append((_ROLES[role.lower()], _content(turn, content_key)))
+        messages.append((ROLE_NAMES[role.lower()], _content(turn, content_key)))
     systems = 0
     while systems < len(messages) and messages[systems][0] == "system":
         systems += 1
@@ -165,7 +165,7 @@ def sha256_path(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _raw_records(path: Path) -> Iterator[tuple[int, Any, str | None, int | None]]:
+def iter_raw_records(path: Path) -> Iterator[tuple[int, Any, str | None, int | None]]:
     """Yield (index, raw object, parse error or None, line number or None) for every record."""
     if path.is_dir():
         import datasets
@@ -243,7 +243,7 @@ def read_inputs(paths: list[str], *, limit: int | None = None) -> ReadResult:
         # Ids derived from position use the file name, or its hash when two inputs share a name.
         prefix = path.name if names.count(path.name) == 1 else f"{path.name}@{digest[:8]}"
         count = 0
-        for index, obj, parse_error, line in _raw_records(path):
+        for index, obj, parse_error, line in iter_raw_records(path):
             if limit is not None and len(result.records) >= limit:
                 break
             count += 1

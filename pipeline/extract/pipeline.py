@@ -22,6 +22,7 @@ from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokeni
 from pipeline.extract.forward import DTYPES, ForwardConfig, normalize_layers, target_fingerprint, weight_files
 from pipeline.extract.inputs import ReadResult, check_data_path, read_inputs
 from pipeline.extract.summary import ExtractSummary
+from pipeline.ray_session import connect_ray, joined_cluster, quiet_ray_data
 
 logger = logging.getLogger(__name__)
 
@@ -173,39 +174,6 @@ def dry_run(config: ExtractConfig) -> ExtractSummary:
     return summary
 
 
-def _connect_ray(config: ExtractConfig) -> bool:
-    """Join `--address`, or start a local Ray sized to this machine. Returns True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = config.address or os.environ.get("RAY_ADDRESS")  # `ray job submit` sets RAY_ADDRESS
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        # Logical CPUs >= actors + 1 so that tokenize tasks never wait behind the forward actors.
-        # address="local": always a fresh Ray of our own. A bare ray.init() would join any cluster already
-        # running on this machine (another job's), and then refuse our num_cpus.
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, (config.num_workers or 1) + 1),
-                 include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
-    return True
-
-
-def _quiet_ray_data() -> None:
-    """Ray Data's own progress bars would fight with ours (the CLI's tqdm)."""
-    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")  # read when ray.data is first imported
-    import ray.data
-    context = ray.data.DataContext.get_current()
-    if context.enable_progress_bars:
-        context.enable_progress_bars = False
-    context.print_on_execution_start = False
-    # Start work only when the whole actor pool holds its model, so shards spread over all actors
-    # instead of queueing on the first one to finish loading.
-    context.wait_for_min_actors_s = 3600
-
-
 def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
                     progress: Progress | None) -> list[dict]:
     """Run the actor pool over the pending shards; returns their infos as they commit."""
@@ -221,7 +189,7 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
         raise ValueError(f"--num-gpus-per-worker {per_worker} exceeds the cluster's {gpus} GPU(s)")
     workers = config.num_workers or max(1, int(gpus // per_worker))
     workers = min(workers, len(shards))
-    joined = bool(config.address or os.environ.get("RAY_ADDRESS"))
+    joined = joined_cluster(config.address)
     threads = config.threads or (None if (gpus or joined) else max(1, (os.cpu_count() or 1) // workers))
     forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
                                    dtype=config.dtype, batch_tokens=config.batch_tokens, threads=threads,
@@ -283,8 +251,8 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
                               shards=len(store.manifest["shards"]), shards_resumed=len(store.manifest["shards"]),
                               store_bytes=_store_bytes(url), head_bytes=_head_bytes(url), state="complete",
                               seconds=time.perf_counter() - started)
-    owned = _connect_ray(config)
-    _quiet_ray_data()
+    owned = connect_ray(config.address, config.num_workers)
+    quiet_ray_data()
     try:
         tokenize_all(prepared, use_ray=True)
         summary = _base_summary(prepared, dataset_id)

@@ -1,0 +1,53 @@
+"""Joining or starting Ray for the driver-side jobs (`extract`, `regenerate`), the same way for both."""
+from __future__ import annotations
+
+import logging
+import os
+
+
+def connect_ray(address: str | None, workers: int | None) -> bool:
+    """Join `address` (or $RAY_ADDRESS), else start a local Ray sized to this machine.
+
+    Returns True if we started it (the caller then shuts it down). A local Ray gets logical CPUs >= actors
+    + 1, so that light tasks (tokenizing) never wait behind the model actors.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")  # `ray job submit` sets RAY_ADDRESS
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # address="local": always a fresh Ray of our own. A bare ray.init() would join any cluster already
+        # running on this machine (another job's), and then refuse our num_cpus.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, (workers or 1) + 1),
+                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def joined_cluster(address: str | None) -> bool:
+    """True when the job runs on a cluster we joined, not on a Ray of our own on this machine."""
+    return bool(address or os.environ.get("RAY_ADDRESS"))
+
+
+def quiet_ray_data() -> None:
+    """Ray Data's own progress bars would fight with ours (the CLI's tqdm)."""
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")  # read when ray.data is first imported
+    import ray.data
+    context = ray.data.DataContext.get_current()
+    if context.enable_progress_bars:
+        context.enable_progress_bars = False
+    context.print_on_execution_start = False
+    # Start work only when the whole actor pool holds its model, so work spreads over all actors
+    # instead of queueing on the first one to finish loading.
+    context.wait_for_min_actors_s = 3600
+
+
+def quiet_ray_loggers() -> None:
+    """Ray Data logs every execution at INFO; keep the CLI's output to our own lines unless -v."""
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        import ray.data  # noqa: F401 - configures its loggers on import; quiet them afterwards
+        for name in ("ray", "ray.data"):
+            logging.getLogger(name).setLevel(logging.ERROR)

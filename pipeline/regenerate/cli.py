@@ -1,0 +1,91 @@
+"""`beagle-pipeline regenerate`: the click command; builds a RegenerateConfig, draws progress, prints the summary."""
+from __future__ import annotations
+
+import click
+
+from pipeline.ray_session import quiet_ray_loggers
+from pipeline.regenerate.generation import GenerateConfig
+from pipeline.regenerate.job import RegenerateConfig, run_regenerate
+
+
+class _TqdmProgress:
+    """A tqdm bar over conversations with generated tokens/s in its postfix."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.tokens = 0
+
+    def start(self, conversations: int) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=conversations, unit="conv", desc="regenerate", dynamic_ncols=True)
+
+    def advance(self, conversations: int, tokens: int) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(conversations)
+        self.tokens += tokens
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@click.command("regenerate")
+@click.option("--model", "model_path", required=True, type=click.Path(),
+              help="Local directory of the target (transformers format). The hub is never used.")
+@click.option("--data", multiple=True, required=True, type=click.Path(),
+              help="Prompts: conversations (`conversations`/`messages`; their answers are discarded), MT-Bench "
+                   "`turns` or `prompt` records, in .jsonl, .json, .parquet or a datasets directory. Repeatable.")
+@click.option("--out", required=True, help="Output JSONL of regenerated conversations, ready for `extract --data`.")
+@click.option("--max-new-tokens", default=512, show_default=True, help="Longest answer per turn, in tokens.")
+@click.option("--max-prompt-length", default=2048, show_default=True,
+              help="Longest prompt (history included); a record whose first prompt is longer is rejected, "
+                   "later turns past it are skipped.")
+@click.option("--temperature", default=0.0, show_default=True,
+              help="0: greedy answers, what `eval --temperature 0` decodes; > 0 samples.")
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling when --temperature > 0.")
+@click.option("--seed", default=0, show_default=True, help="Sampling seed (each chunk uses seed + chunk index).")
+@click.option("--dtype", default="bfloat16", show_default=True,
+              type=click.Choice(["bfloat16", "float16", "float32"]), help="Model dtype while generating.")
+@click.option("--batch-size", default=32, show_default=True, help="Conversations per generate call.")
+@click.option("--chunk-size", default=128, show_default=True,
+              help="Conversations per actor task; a crash loses at most the chunks in flight.")
+@click.option("--num-workers", type=int, default=None,
+              help="Generation actors. Default: one per GPU, or one CPU actor using all cores.")
+@click.option("--num-gpus-per-worker", type=float, default=1.0, show_default=True, help="GPUs per actor.")
+@click.option("--address", default=None, help="Ray cluster to join (default: start a local Ray).")
+@click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
+@click.option("--overwrite", is_flag=True, help="Replace an output (or unfinished work) from other inputs or settings.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens: int, max_prompt_length: int,
+               temperature: float, top_p: float, seed: int, dtype: str, batch_size: int, chunk_size: int,
+               num_workers: int | None, num_gpus_per_worker: float, address: str | None, limit: int | None,
+               overwrite: bool, trust_remote_code: bool, no_progress: bool) -> None:
+    """Let the target answer the prompts itself, for self-distillation.
+
+    A drafter is measured on the target's own answers, so it learns most from them: run this, then
+    `extract --data OUT` on its output. Greedy by default, like `eval`. Rerun the same command after a
+    crash: finished chunks are kept.
+    """
+    quiet_ray_loggers()
+    generate = GenerateConfig(model_path=model_path, dtype=dtype, max_new_tokens=max_new_tokens,
+                              max_prompt_length=max_prompt_length, batch_size=batch_size, temperature=temperature,
+                              top_p=top_p, seed=seed, trust_remote_code=trust_remote_code)
+    config = RegenerateConfig(generate=generate, data=tuple(data), out=out, limit=limit, chunk_size=chunk_size,
+                              num_workers=num_workers, num_gpus_per_worker=num_gpus_per_worker, address=address,
+                              overwrite=overwrite)
+    progress = _TqdmProgress(enabled=not no_progress)
+    try:
+        summary = run_regenerate(config, progress=progress)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        progress.close()
+    if summary.state == "complete":
+        click.echo(f"{out} is already complete for these inputs and settings; nothing to do")
+    click.echo("\n".join(summary.lines()))

@@ -1,0 +1,149 @@
+"""The target answers conversations turn by turn, in left-padded batches (transformers `generate`).
+
+Every conversation of a chunk asks its first turn in one round of batches, then its second turn (with its
+own first answer in the context), and so on: MT-Bench-style follow-ups refer to the earlier answer. Rows
+are sorted by prompt length inside a round so that padding stays small.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from beagle.prompts import eos_token_ids, render
+from pipeline.extract.chat import load_tokenizer
+from pipeline.extract.forward import DTYPES
+from pipeline.regenerate.prompts import PromptRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    model_path: str
+    dtype: str = "bfloat16"
+    max_new_tokens: int = 512     # per answer; a longer answer is cut there (counted as unfinished)
+    max_prompt_length: int = 2048  # prompt tokens, history included; a turn beyond it ends the conversation
+    batch_size: int = 32          # rows per generate call
+    temperature: float = 0.0      # 0: greedy, the target's output under `eval --temperature 0`
+    top_p: float = 1.0
+    seed: int = 0
+    device: str | None = None     # None: cuda when available, else cpu
+    threads: int | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class Answered:
+    """One regenerated conversation, or why its first turn could not be asked."""
+
+    record: PromptRecord
+    messages: list[dict[str, str]]
+    generated_tokens: int = 0
+    unfinished_turns: int = 0     # answers cut at max_new_tokens
+    dropped_turns: int = 0        # later turns not asked: their prompt grew past max_prompt_length
+    reject: str | None = None     # "prompt_too_long" when not even the first turn fits
+
+
+class ConversationGenerator:
+    """Holds the target and its tokenizer; `answer` regenerates a chunk of conversations."""
+
+    def __init__(self, config: GenerateConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
+        if not isinstance(getattr(self.tokenizer, "chat_template", None), str):
+            raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template; add a "
+                             "chat_template to tokenizer_config.json")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model_path, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code,
+        ).to(self.device).eval()
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.tokenizer.eos_token_id
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
+        if not self.eos_ids:
+            raise ValueError(f"--model {config.model_path}: no eos_token_id in the tokenizer or generation "
+                             "config; answers could never end")
+
+    def answer(self, records: list[PromptRecord], *, seed: int) -> list[Answered]:
+        """Regenerate every assistant turn of `records`; `seed` fixes sampling for this chunk."""
+        torch.manual_seed(seed)
+        results = [Answered(r, [{"role": "system", "content": s} for s in r.system]) for r in records]
+        for turn in range(max(len(r.turns) for r in records)):
+            asking: list[tuple[Answered, list[int]]] = []
+            for result in results:
+                if turn >= len(result.record.turns) or result.reject or result.dropped_turns:
+                    continue
+                context = [*result.messages, {"role": "user", "content": result.record.turns[turn]}]
+                ids = render(self.tokenizer, context)
+                if len(ids) > self.config.max_prompt_length:
+                    if turn == 0:
+                        result.reject = "prompt_too_long"
+                    else:
+                        result.dropped_turns = len(result.record.turns) - turn
+                    continue
+                asking.append((result, ids))
+            asking.sort(key=lambda item: len(item[1]))
+            for start in range(0, len(asking), self.config.batch_size):
+                batch = asking[start:start + self.config.batch_size]
+                for (result, _), (text, tokens, finished) in zip(batch, self._generate([ids for _, ids in batch])):
+                    result.messages += [{"role": "user", "content": result.record.turns[turn]},
+                                        {"role": "assistant", "content": text}]
+                    result.generated_tokens += tokens
+                    result.unfinished_turns += not finished
+        return results
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]]) -> list[tuple[str, int, bool]]:
+        """(answer text, answer tokens without EOS, ended with EOS) for each prompt, batched."""
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, W], left padded
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        sampling = self.config.temperature > 0
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            max_new_tokens=self.config.max_new_tokens, do_sample=sampling,
+            temperature=self.config.temperature if sampling else None,
+            top_p=self.config.top_p if sampling else None, top_k=None,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))  # [B, W + new]
+        answers = []
+        for row in output[:, width:].tolist():
+            ends = [i for i, token in enumerate(row) if token in self.eos_ids]
+            tokens = row[:ends[0]] if ends else row
+            answers.append((self.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), bool(ends)))
+        return answers
+
+
+class ChunkAnswerer:
+    """Ray Data actor: loads the target once; per row, regenerates one chunk of conversations.
+
+    Rows carry pickled `PromptRecord` lists and come back as pickled `Answered` lists; the driver writes
+    them, so a chunk is either wholly on disk or redone.
+    """
+
+    def __init__(self, config: GenerateConfig) -> None:
+        self.generator = ConversationGenerator(config)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        answered, seconds = [], []
+        for chunk, payload in zip(batch["chunk"], batch["records"]):
+            started = time.perf_counter()
+            results = self.generator.answer(pickle.loads(payload), seed=self.generator.config.seed + int(chunk))
+            answered.append(pickle.dumps(results))
+            seconds.append(time.perf_counter() - started)
+            logger.info("chunk %d: %d conversations in %.1fs (pid %d)", chunk, len(results), seconds[-1], os.getpid())
+        return {"chunk": np.asarray(batch["chunk"], dtype=np.int64), "answered": np.asarray(answered, dtype=object),
+                "seconds": np.asarray(seconds)}

@@ -1,0 +1,178 @@
+"""`regenerate` on a real local Ray with a tiny real target: answers, rejects, resume, and extract reading it."""
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+from beagle.prompts import render
+from pipeline.cli import main
+from pipeline.extract.chat import load_tokenizer
+from pipeline.extract.pipeline import ExtractConfig, dry_run
+from pipeline.regenerate.generation import GenerateConfig
+from pipeline.regenerate.job import (RegenerateConfig, manifest_path, partial_dir, rejects_path, run_regenerate)
+from tests.local_ray import local_ray
+from tests.tiny import build_target
+
+pytestmark = pytest.mark.slow
+
+RECORDS = [
+    {"id": "chat", "conversations": [{"from": "human", "value": "What is the capital of France?"},
+                                     {"from": "gpt", "value": "A stored answer that must not survive."},
+                                     {"from": "human", "value": "Write a short poem about the sea."},
+                                     {"from": "gpt", "value": "Another stored answer."}]},
+    {"id": "one", "prompt": "Hello, how are you today?"},
+    {"question_id": 81, "turns": ["The quick brown fox.", "Numbers 0123456789 please."]},
+    {"id": "sys", "messages": [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Sure! Here is a list: 1, 2, 3."}]},
+]
+BAD_LINES = ['{"prompt": ', '"a string"', '{"title": "x"}', '{"messages": [{"role": "tool", "content": "x"}]}',
+             '{"prompt": "   "}', '{"id": "one", "prompt": "duplicate id"}',
+             json.dumps({"id": "long", "prompt": "long " * 200})]
+BAD_REASONS = ["malformed_json", "not_an_object", "missing_field", "unknown_role", "no_user_turn", "duplicate_id",
+               "prompt_too_long"]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    with local_ray(num_cpus=2) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("regenerate")
+    target = build_target(root / "target", template="chatml")
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS) + "\n".join(BAD_LINES) + "\n")
+    return {"root": root, "target": target, "data": data}
+
+
+def _config(workspace, out, **changes) -> RegenerateConfig:
+    generate = GenerateConfig(model_path=str(workspace["target"]), dtype="float32", max_new_tokens=8,
+                              max_prompt_length=120, batch_size=3)
+    return RegenerateConfig(generate=generate, data=(str(workspace["data"]),), out=str(out), chunk_size=2,
+                            num_workers=1, **changes)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def regenerated(workspace, ray_address):
+    out = workspace["root"] / "answers.jsonl"
+    summary = run_regenerate(_config(workspace, out))
+    return out, summary
+
+
+def test_answers_are_the_targets_own_greedy_answers_turn_by_turn(workspace, regenerated):
+    """Each answer equals unpadded greedy generation on the conversation so far (the earlier answers included)."""
+    out, summary = regenerated
+    conversations = _lines(out)
+    assert [c["id"] for c in conversations] == ["chat", "one", "81", "sys"]  # input order, rejects left out
+    tokenizer = load_tokenizer(str(workspace["target"]))
+    model = AutoModelForCausalLM.from_pretrained(str(workspace["target"]), dtype=torch.float32).eval()
+    answers = 0
+    for conversation in conversations:
+        messages = conversation["messages"]
+        assert "stored answer" not in json.dumps(messages)
+        assert [m["role"] for m in messages if m["role"] != "system"] == ["user", "assistant"] * (
+            sum(m["role"] == "user" for m in messages))
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = torch.tensor([render(tokenizer, messages[:k])])
+            with torch.inference_mode():
+                row = model.generate(prompt, max_new_tokens=8, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)[0, prompt.shape[1]:].tolist()
+            if tokenizer.eos_token_id in row:
+                row = row[:row.index(tokenizer.eos_token_id)]
+            assert message["content"] == tokenizer.decode(row, skip_special_tokens=True), (conversation["id"], k)
+            answers += 1
+    assert conversations[3]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert answers == summary.turns == 6
+    assert summary.conversations == 4
+    assert 0 < summary.generated_tokens <= 6 * 8
+
+
+def test_bad_records_are_counted_and_written_with_file_and_reason(workspace, regenerated):
+    out, summary = regenerated
+    rejects = _lines(rejects_path(str(out)))
+    assert [r["reason"] for r in rejects] == BAD_REASONS
+    assert all(r["source"] == str(workspace["data"]) and r["line"] == len(RECORDS) + 1 + i
+               for i, r in enumerate(rejects))
+    assert summary.rejected == len(BAD_LINES)
+    manifest = json.loads(manifest_path(str(out)).read_text())
+    assert manifest["counts"]["conversations"] == 4
+    assert manifest["target"]["weights_sha256"] and manifest["sources"][0]["sha256"]
+    assert not partial_dir(str(out)).exists()
+
+
+def test_extract_reads_the_output_as_is(workspace, regenerated):
+    out, _ = regenerated
+    summary = dry_run(ExtractConfig(model_path=str(workspace["target"]), data=(str(out),),
+                                    out=str(workspace["root"] / "store")))
+    assert summary.samples == 4 and summary.rejected == 0 and summary.loss_tokens > 0
+
+
+def test_rerun_is_a_no_op_and_other_settings_need_overwrite(workspace, regenerated):
+    out, _ = regenerated
+    before = out.read_bytes()
+    assert run_regenerate(_config(workspace, out)).state == "complete"
+    assert out.read_bytes() == before
+    other = _config(workspace, out)
+    other = RegenerateConfig(**{**other.__dict__, "generate": GenerateConfig(**{**other.generate.__dict__,
+                                                                                "max_new_tokens": 4})})
+    with pytest.raises(ValueError, match="--overwrite"):
+        run_regenerate(other)
+    assert out.read_bytes() == before
+
+
+def test_resume_keeps_finished_chunks_and_redoes_the_rest(workspace, regenerated, ray_address):
+    """A crash leaves .partial/ with finished chunks and no output: the rerun keeps them and finishes."""
+    out, first = regenerated
+    crashed = workspace["root"] / "crashed.jsonl"
+    config = _config(workspace, crashed)
+    run_regenerate(config)
+    # What a crash after chunk 0 leaves: the work folder with its identity and chunk 0, no output, no manifest.
+    work = partial_dir(str(crashed))
+    work.mkdir()
+    from pipeline.regenerate.job import _identity_hash, identity
+    from pipeline.regenerate.prompts import read_prompts
+    (work / "identity.txt").write_text(_identity_hash(identity(config, read_prompts([str(workspace["data"])]))))
+    kept = _lines(crashed)[:2]
+    kept[0]["messages"][1]["content"] = "KEPT FROM THE FIRST RUN"
+    (work / "chunk-000000.jsonl").write_text("".join(json.dumps(c) + "\n" for c in kept))
+    crashed.unlink()
+    manifest_path(str(crashed)).unlink()
+    summary = run_regenerate(config)
+    assert summary.state == "resumed" and summary.chunks_resumed == 1 and summary.chunks == first.chunks
+    lines = _lines(crashed)
+    assert lines[0]["messages"][1]["content"] == "KEPT FROM THE FIRST RUN"  # chunk 0 was not redone
+    assert lines[1:] == _lines(out)[1:]
+    assert not work.exists()
+
+
+def test_unfinished_work_from_other_settings_is_refused(workspace, ray_address):
+    out = workspace["root"] / "other.jsonl"
+    work = partial_dir(str(out))
+    work.mkdir()
+    (work / "identity.txt").write_text("something else\n")
+    with pytest.raises(ValueError, match="unfinished work"):
+        run_regenerate(_config(workspace, out))
+    shutil.rmtree(work)
+
+
+def test_cli_help_and_one_line_errors(workspace, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["regenerate", "--help"])
+    assert result.exit_code == 0 and "self-distillation" in result.output
+    result = runner.invoke(main, ["regenerate", "--model", str(tmp_path / "nope"), "--data", str(workspace["data"]),
+                                  "--out", str(tmp_path / "a.jsonl")])
+    assert result.exit_code == 1 and "not a directory" in result.output
+    result = runner.invoke(main, ["regenerate", "--model", str(workspace["target"]), "--data",
+                                  str(workspace["data"]), "--out", str(tmp_path / "a.txt")])
+    assert result.exit_code == 1 and "*.jsonl" in result.output
