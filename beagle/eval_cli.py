@@ -67,6 +67,9 @@ def _check_stores(stores: list[str]) -> None:
               help="Tree: drafted tokens the target verifies per round.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
               help="0 = greedy (outputs must match plain decoding); > 0 = speculative sampling.")
+@click.option("--min-confidence", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Greedy only: draft a token only while the drafter gives its whole path at least this "
+                   "probability (0 = the fixed-size chain/tree). Stops a weak drafter from costing time.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Use only the first N prompts.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the summary here.")
@@ -85,7 +88,7 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (spec §5 variant).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
-             temperature, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
+             temperature, min_confidence, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
              draft_vocab_store, no_concat, no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
 
@@ -106,9 +109,9 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     try:
         if draft_vocab:
             _check_stores(list(draft_vocab_store))  # before loading any model: fail fast on a bad store
-        config = (DraftConfig.chain(depth, temperature, not no_concat) if chain else
+        config = (DraftConfig.chain(depth, temperature, not no_concat, min_confidence) if chain else
                   DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
-                              concatenate=not no_concat))
+                              concatenate=not no_concat, min_confidence=min_confidence))
         items = load_prompts(prompts_path, limit)
         torch_device = pick_device(device)
         torch.manual_seed(seed)
@@ -129,6 +132,8 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     summary = evaluate_prompts(model, drafter, tokenizer, items, config, max_new_tokens, eos, seed, progress)
 
     shape = f"chain depth {depth}" if chain else f"tree depth {depth} top-k {top_k} total {total_tokens}"
+    if min_confidence > 0:
+        shape += f" min-confidence {min_confidence:g}"
     report = summary.to_json()
     click.echo(f"prompts: {summary.num_prompts}  max new tokens: {max_new_tokens}  draft: {shape}"
                f"{' no-concat' if no_concat else ''}  temperature: {temperature}  dtype: {dtype}  "

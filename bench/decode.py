@@ -30,6 +30,9 @@ SHAPES = {
     "chain d5": DraftConfig.chain(depth=5),
     "tree d5 k4 n16": DraftConfig(depth=5, top_k=4, total_tokens=16),
     "tree d5 k10 n60": DraftConfig(depth=5, top_k=10, total_tokens=60),
+    # Confidence-gated (`eval --min-confidence`): a weak drafter drafts only where it is sure.
+    "chain d3 c0.25": DraftConfig.chain(depth=3, min_confidence=0.25),
+    "tree d5 k4 n16 c0.2": DraftConfig(depth=5, top_k=4, total_tokens=16, min_confidence=0.2),
 }
 
 

@@ -55,7 +55,7 @@ def p3(work: Path, quick: bool) -> list[dict]:
 
 def p6(work: Path, quick: bool, drafter: Path) -> list[dict]:
     limit, new = (1, 32) if quick else (4, 64)
-    shapes = "chain d5,tree d5 k4 n16"
+    shapes = "chain d5,tree d5 k4 n16,chain d3 c0.25,tree d5 k4 n16 c0.2"
     cmd = ["bench/decode.py", "--limit", str(limit), "--max-new-tokens", str(new), "--shapes", shapes,
            "--dtype", "bfloat16"]
     if drafter.is_dir():
@@ -145,7 +145,7 @@ def main() -> None:
     commands = [f"python bench/run_all.py{' --quick' if args.quick else ''}  # runs, in order:",
                 "python bench/extract.py [--quick]", "python bench/quality.py --store <P1 store> [--quick]",
                 "python bench/store.py --tokens N --widths 576", "python bench/memory.py [--quick]",
-                "python bench/decode.py --drafter <P5 Beagle drafter> --shapes 'chain d5,tree d5 k4 n16'"]
+                "python bench/decode.py --drafter <P5 Beagle drafter> --shapes 'chain d5,tree d5 k4 n16,chain d3 c0.25,tree d5 k4 n16 c0.2'"]
     block = render(records, commands, args.quick, time.perf_counter() - start)
     print(block)
     if not args.no_docs:

@@ -14,6 +14,8 @@ SHAPES = {
     "tree-narrow": DraftConfig(depth=3, top_k=2, total_tokens=5),
     "tree-wide": DraftConfig(depth=5, top_k=8, total_tokens=40),
     "tree-no-concat": DraftConfig(depth=4, top_k=3, total_tokens=10, concatenate=False),
+    "chain-confident": DraftConfig.chain(depth=4, min_confidence=0.1),
+    "tree-confident": DraftConfig(depth=5, top_k=4, total_tokens=16, min_confidence=0.05),
 }
 
 
@@ -150,6 +152,76 @@ def test_tree_shape_follows_the_knobs():
                 assert 0 <= parent < position and tree.depths[position] == tree.depths[parent] + 1
                 assert len(tree.children[parent]) <= config.top_k
         assert tree.depths.tolist() == [0, 1, 2, 3, 4]  # the chain
+
+
+def test_min_confidence_keeps_only_paths_the_drafter_is_sure_of():
+    """Every kept node's path probability is >= the threshold, no confident node is left out, and a
+    threshold of 1 drafts nothing: the round is then a plain step (τ = 1) with the same output."""
+    target = tiny_target(context_scale=0.15)
+    drafter = bigram_drafter(target)
+    with torch.inference_mode():
+        backend = BeagleBackend(drafter, concatenate=True)
+        output = run_target(target, new_cache(target), torch.tensor([1, 2, 3]))
+        backend.append(output.hidden, torch.arange(3), torch.tensor([1, 2, 3]))
+        full = build_draft_tree(backend, 7, 3, DraftConfig(depth=4, top_k=4, total_tokens=60))
+        path_prob = _path_probabilities(backend, full)
+        for threshold in (0.05, 0.3, 0.9):
+            tree = build_draft_tree(backend, 7, 3, DraftConfig(depth=4, top_k=4, total_tokens=60,
+                                                               min_confidence=threshold))
+            kept, eps = _paths(tree), 1e-4
+            assert kept <= set(path_prob)  # the threshold only removes nodes
+            assert all(path_prob[path] >= threshold - eps for path in kept)
+            assert all(path in kept for path, p in path_prob.items() if p >= threshold + eps)
+            assert len(kept) < len(path_prob)
+        assert build_draft_tree(backend, 7, 3, DraftConfig.chain(depth=4, min_confidence=1.0)).size == 1
+    prompt = torch.tensor([3, 5, 7, 9])
+    spec = speculative_generate(target, drafter, prompt, 20, set(), DraftConfig.chain(depth=4, min_confidence=1.0))
+    assert spec.tokens == plain_generate(target, prompt, 20, set()).tokens
+    assert set(spec.accepted) == {0} and spec.target_passes == 19
+    with pytest.raises(ValueError, match="temperature 0 only"):
+        DraftConfig.chain(depth=3, temperature=1.0, min_confidence=0.2)
+
+
+def _paths(tree) -> set[tuple[int, ...]]:
+    """Each drafted node as the tuple of tokens from the root's child down to it."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths = set()
+    for position in range(1, tree.size):
+        path, node = [], position
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        paths.add(tuple(reversed(path)))
+    return paths
+
+
+def _path_probabilities(backend, tree) -> dict[tuple[int, ...], float]:
+    """The drafter's probability of each path of `tree`, recomputed by running the drafter down a chain."""
+    probabilities = {}
+    for path in _paths(tree):
+        log_p, tokens = 0.0, [7]
+        for token in path:
+            log_q = _drafter_log_probs(backend, tokens)
+            log_p += float(log_q[token])
+            tokens.append(token)
+        probabilities[path] = float(torch.tensor(log_p).exp())
+    return probabilities
+
+
+def _drafter_log_probs(backend, tokens: list[int]) -> torch.Tensor:
+    """log q(. | true keys, drafted tokens) for the last of `tokens` (root first), drafted states as keys."""
+    keys, values = backend.keys(), backend.values()
+    past = keys.shape[-2]
+    bank_keys = bank_values = None
+    for step, token in enumerate(tokens):
+        positions = torch.tensor([[past + step]])
+        k = keys if bank_keys is None else torch.cat([keys, bank_keys], dim=-2)
+        v = values if bank_values is None else torch.cat([values, bank_values], dim=-2)
+        mask = torch.ones(1, 1, 1, k.shape[-2], dtype=torch.bool)
+        hidden, bank = backend.step(torch.tensor([[token]]), positions, None, k, v, mask, need_bank=True)
+        bank_keys = bank[0] if bank_keys is None else torch.cat([bank_keys, bank[0]], dim=-2)
+        bank_values = bank[1] if bank_values is None else torch.cat([bank_values, bank[1]], dim=-2)
+    return torch.log_softmax(backend.logits(hidden)[0, -1].float(), dim=-1)
 
 
 def test_a_bfloat16_drafter_leaves_a_float32_target_output_unchanged():

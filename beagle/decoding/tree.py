@@ -17,10 +17,10 @@ recursive rejection sampling in `acceptance.py` the output follows the target's 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
-
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class DraftConfig:
     total_tokens: int = 60
     temperature: float = 0.0
     concatenate: bool = True  # drafted states become keys for their descendants (spec §5)
+    # Greedy only: keep a drafted token only while the drafter's probability for its whole path is at least
+    # this much, and stop drafting once no path is. 0 keeps the method's fixed-size tree. A weak drafter on a
+    # target whose verification costs more per token (CPUs) then spends drafts only where they pay.
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -42,10 +46,22 @@ class DraftConfig:
             raise ValueError(f"total_tokens={self.total_tokens}: keep at least one node (--total-tokens >= 1)")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature}: use 0 for greedy or a positive value")
+        if not 0 <= self.min_confidence <= 1:
+            raise ValueError(f"min_confidence={self.min_confidence}: a probability in [0, 1] (--min-confidence)")
+        if self.min_confidence > 0 and self.temperature > 0:
+            raise ValueError("--min-confidence works with --temperature 0 only: dropping drafted tokens by their "
+                             "probability would bias rejection sampling")
 
     @classmethod
-    def chain(cls, depth: int = 5, temperature: float = 0.0, concatenate: bool = True) -> "DraftConfig":
-        return cls(depth=depth, top_k=1, total_tokens=depth, temperature=temperature, concatenate=concatenate)
+    def chain(cls, depth: int = 5, temperature: float = 0.0, concatenate: bool = True,
+              min_confidence: float = 0.0) -> "DraftConfig":
+        return cls(depth=depth, top_k=1, total_tokens=depth, temperature=temperature, concatenate=concatenate,
+                   min_confidence=min_confidence)
+
+    @property
+    def log_min_confidence(self) -> float:
+        """The path log-probability below which drafted nodes are dropped (-inf: none are)."""
+        return math.log(self.min_confidence) if self.min_confidence > 0 else -math.inf
 
 
 @dataclass
@@ -154,27 +170,32 @@ def build_draft_tree(backend, root_token: int, root_position: int, config: Draft
         node_scores.append(scores.reshape(-1))
         frontier = (ids, tokens.reshape(-1), paths.reshape(-1), scores.reshape(-1),
                     torch.arange(num_queries, device=device)[:, None].expand_as(tokens).reshape(-1))
-        if step + 1 == config.depth:
+        confident = int((paths >= config.log_min_confidence).sum())  # greedy: paths are the scores
+        if step + 1 == config.depth or confident == 0:
             break
-        # Expand the best top_k of the newest depth.
+        # Expand the best top_k of the newest depth (only confident ones: a child never beats its parent).
         ids, toks, paths, scores, parent_rows = frontier
-        best = torch.topk(scores, min(config.top_k, scores.numel())).indices.sort().values
+        best = torch.topk(scores, min(config.top_k, confident)).indices.sort().values
         expanded_ids, query_tokens = ids[best], toks[best]
         phi, perturbed = paths[best], scores[best]
         parent_states = hidden[:, parent_rows[best]]  # [1, k, d]
         if concatenate:
             query_bank_mask = visible_below[parent_rows[best]]
 
-    return _select_nodes(node_tokens, node_parents, node_depths, node_scores, draft_probs, config.total_tokens)
+    return _select_nodes(node_tokens, node_parents, node_depths, node_scores, draft_probs, config.total_tokens,
+                         config.log_min_confidence)
 
 
-def _select_nodes(node_tokens, node_parents, node_depths, node_scores, draft_probs, total_tokens) -> DraftTree:
-    """Keep the root and the `total_tokens` best proposed nodes; renumber them into tree positions."""
+def _select_nodes(node_tokens, node_parents, node_depths, node_scores, draft_probs, total_tokens,
+                  min_score: float = -math.inf) -> DraftTree:
+    """Keep the root and the `total_tokens` best proposed nodes scoring at least `min_score`; renumber
+    them into tree positions."""
     tokens = torch.cat(node_tokens)
     parents = torch.cat(node_parents)
     depths = torch.cat(node_depths)
     scores = torch.cat(node_scores)
     order = torch.sort(scores[1:], descending=True, stable=True).indices + 1
+    total_tokens = min(total_tokens, int((scores[1:] >= min_score).sum()))
     kept = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device),
                       order[:total_tokens].sort().values])  # proposal order: parents first
     position_of = {node_id: position for position, node_id in enumerate(kept.tolist())}
