@@ -1,6 +1,13 @@
 """`regenerate` on a real local Ray with a tiny real target: answers, rejects, resume, and extract reading it."""
 import json
+import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,28 +138,45 @@ def test_rerun_is_a_no_op_and_other_settings_need_overwrite(workspace, regenerat
     assert out.read_bytes() == before
 
 
-def test_resume_keeps_finished_chunks_and_redoes_the_rest(workspace, regenerated, ray_address):
-    """A crash leaves .partial/ with finished chunks and no output: the rerun keeps them and finishes."""
-    out, first = regenerated
-    crashed = workspace["root"] / "crashed.jsonl"
-    config = _config(workspace, crashed)
-    run_regenerate(config)
-    # What a crash after chunk 0 leaves: the work folder with its identity and chunk 0, no output, no manifest.
-    work = partial_dir(str(crashed))
-    work.mkdir()
-    from pipeline.regenerate.job import _identity_hash, identity
-    from pipeline.regenerate.prompts import read_prompts
-    (work / "identity.txt").write_text(_identity_hash(identity(config, read_prompts([str(workspace["data"])]))))
-    kept = _lines(crashed)[:2]
-    kept[0]["messages"][1]["content"] = "KEPT FROM THE FIRST RUN"
-    (work / "chunk-000000.jsonl").write_text("".join(json.dumps(c) + "\n" for c in kept))
-    crashed.unlink()
-    manifest_path(str(crashed)).unlink()
-    summary = run_regenerate(config)
-    assert summary.state == "resumed" and summary.chunks_resumed == 1 and summary.chunks == first.chunks
-    lines = _lines(crashed)
-    assert lines[0]["messages"][1]["content"] == "KEPT FROM THE FIRST RUN"  # chunk 0 was not redone
-    assert lines[1:] == _lines(out)[1:]
+def test_sigkill_of_the_driver_then_a_rerun_equals_an_uninterrupted_run(workspace, ray_address, tmp_path):
+    """A real `regenerate` process killed after some chunks: no output appears, finished chunks are kept
+    by the rerun, and the result is byte-identical to a run that was never interrupted."""
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Question {i}: what is {i} plus {i}?"}) + "\n"
+                            for i in range(24)))
+    out = tmp_path / "answers.jsonl"
+    args = ["regenerate", "--model", str(workspace["target"]), "--data", str(data), "--out", str(out),
+            "--dtype", "float32", "--max-new-tokens", "8", "--batch-size", "1", "--chunk-size", "1",
+            "--num-workers", "1", "--no-progress"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    driver = subprocess.Popen([str(Path(sys.executable).with_name("beagle-pipeline")), *args], env=env,
+                              start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    work = partial_dir(str(out))
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(work.glob("chunk-*.jsonl"))) < 3 and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert driver.poll() is None, driver.stdout.read().decode()[-2000:]
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+    finally:
+        try:
+            os.killpg(driver.pid, signal.SIGKILL)  # the local Ray it started, if anything outlived it
+        except ProcessLookupError:
+            pass
+    kept = len(list(work.glob("chunk-*.jsonl")))
+    assert 3 <= kept < 24, f"the kill came too late to test resume ({kept} chunks written)"
+    assert not out.exists() and not manifest_path(str(out)).exists()
+
+    result = CliRunner().invoke(main, [*args, "--address", ray_address])
+    assert result.exit_code == 0, result.output
+    resumed = re.search(r"resumed: (\d+) of 40 chunks", result.output)
+    assert resumed and int(resumed.group(1)) >= kept, result.output
+    reference = tmp_path / "reference.jsonl"
+    result = CliRunner().invoke(main, [*args[:5], "--out", str(reference), *args[7:], "--address", ray_address])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == reference.read_bytes()
+    assert [c["id"] for c in _lines(out)] == [f"p{i}" for i in range(24)]
     assert not work.exists()
 
 
