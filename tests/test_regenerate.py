@@ -170,7 +170,7 @@ def test_sigkill_of_the_driver_then_a_rerun_equals_an_uninterrupted_run(workspac
 
     result = CliRunner().invoke(main, [*args, "--address", ray_address])
     assert result.exit_code == 0, result.output
-    resumed = re.search(r"resumed: (\d+) of 40 chunks", result.output)
+    resumed = re.search(r"resumed: (\d+) of 24 chunks", result.output)
     assert resumed and int(resumed.group(1)) >= kept, result.output
     reference = tmp_path / "reference.jsonl"
     result = CliRunner().invoke(main, [*args[:5], "--out", str(reference), *args[7:], "--address", ray_address])
