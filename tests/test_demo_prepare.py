@@ -344,7 +344,7 @@ def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, tmp
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text("")
     steps = run.plan(run.SIZES[size], cache, out, progress=False)
-    assert [name for name, _ in steps] == ["prepare", "extract", "train", "eval"]
+    assert [name for name, _ in steps] == ["prepare", "regenerate", "extract", "train", "eval"]
     for name, arguments in steps:
         command = main.get_command(click.Context(main), arguments[0])
         assert command is not None, f"no subcommand {arguments[0]}"
@@ -355,7 +355,7 @@ def test_final_table_shows_every_measure(tmp_path: Path) -> None:
     from pipeline.demo import run
 
     summary = {
-        "size": {"name": "smoke", "max_length": 256},
+        "size": {"name": "smoke", "max_length": 256, "max_new_tokens_answer": 24},
         "seconds": {"prepare": 0.2, "extract": 20.2, "train": 74.0, "eval": 23.2, "total": 117.6},
         "samples": 15, "tokens": 3706, "loss_tokens": 2471, "store_bytes": 112 * 2**20,
         "train_steps": 8, "train_steps_per_stage": {"1": 4, "2": 4},
@@ -364,7 +364,7 @@ def test_final_table_shows_every_measure(tmp_path: Path) -> None:
         "plots": ["runs/demo-smoke/train/curves.png", "runs/demo-smoke/acceptance.png"],
     }
     table = run.format_table(summary)
-    for expected in ["1m58s", "15 ShareGPT conversations", "3,706 (2,471 in the loss)", "112.0 MiB",
+    for expected in ["1m58s", "15 ShareGPT prompts answered by the target (≤ 24 new tokens each)", "3,706 (2,471 in the loss)", "112.0 MiB",
                      "1m14s, 8 steps (stage 1: 4, stage 2: 4)", "1.24 tokens per target forward",
                      "d1=0.27  d2=0.00  d3=-", "plain 17.0, speculative 4.1", "0.24x (outputs identical",
                      "runs/demo-smoke/train/curves.png, runs/demo-smoke/acceptance.png"]:

@@ -190,6 +190,19 @@ def test_unfinished_work_from_other_settings_is_refused(workspace, ray_address):
     shutil.rmtree(work)
 
 
+def test_max_turns_answers_only_the_first_turns(workspace):
+    """Without Ray: the generator itself, on a two-turn record."""
+    from pipeline.regenerate.generation import ConversationGenerator
+    from pipeline.regenerate.prompts import PromptRecord
+
+    record = PromptRecord("two", "x.jsonl", 0, (), ("The quick brown fox.", "Numbers 0123456789 please."))
+    for max_turns, answers in ((1, 1), (0, 2), (5, 2)):
+        generator = ConversationGenerator(GenerateConfig(model_path=str(workspace["target"]), dtype="float32",
+                                                         max_new_tokens=4, max_turns=max_turns))
+        [result] = generator.answer([record], seed=0)
+        assert [m["role"] for m in result.messages] == ["user", "assistant"] * answers
+
+
 def test_cli_help_and_one_line_errors(workspace, tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["regenerate", "--help"])

@@ -1,12 +1,13 @@
-"""The whole demo in one command: prepare -> extract -> train -> eval, timed, ending with one table.
+"""The whole demo in one command: prepare -> regenerate -> extract -> train -> eval, timed, with one table.
 
     python -m pipeline.demo.run            # the default size: within 30 minutes on 2 CPU cores
     python -m pipeline.demo.run --smoke    # the same path at toy scale, a few minutes
 
 Each step is the real `beagle-pipeline` subcommand run as a subprocess, exactly as a user would type it
 (the command line is printed before it runs), so the demo exercises the product and not a shortcut.
-Outputs go to `runs/demo[-smoke]/`: `store/`, `train/` (with `curves.png` and `drafter/`), `eval.json`,
-`acceptance.png` and `summary.json` (the final table as data).
+Outputs go to `runs/demo[-smoke]/`: `answers.jsonl` (the target's own answers to ShareGPT prompts: the
+drafter is trained on what it will be asked to predict), `store/`, `train/` (with `curves.png` and
+`drafter/`), `eval.json`, `acceptance.png` and `summary.json` (the final table as data).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ class DemoSize:
     """How much of each step the demo does. Sized from measured speeds on 2 CPU cores (see docs/quickstart.md)."""
 
     name: str
-    conversations: int        # ShareGPT records given to extract (--limit)
+    prompts: int              # ShareGPT records whose first prompt the target answers (regenerate --limit)
+    max_new_tokens_answer: int  # longest regenerated answer
+    max_prompt_length: int    # longer first prompts are rejected (counted) by regenerate
     max_length: int           # tokens per conversation after truncation (extract and train)
     stage1_epochs: int
     stage2_epochs: int
@@ -39,22 +42,26 @@ class DemoSize:
     warmup_steps: int
     eval_prompts: int         # MT-Bench questions (two turns each)
     max_new_tokens: int
-    eval_draft: tuple[str, ...] = ("--chain", "--depth", "3")
+    # A chain of 3 that drafts only while the drafter is >= 25% sure of the path: on a CPU every verified
+    # token costs time, and a briefly trained drafter is sure only sometimes (docs/eval.md).
+    eval_draft: tuple[str, ...] = ("--chain", "--depth", "3", "--min-confidence", "0.25")
     eval_dtype: str = "float32"  # greedy equality with plain decoding is checked in one dtype
 
 
-# Measured on 2 shared CPU cores (docs/quickstart.md): extraction ~1,100 tokens/s, training ~2,200 tokens/s
-# with an 8192-token draft vocabulary (~550 with the full 49k), plain greedy decoding ~22 tokens/s. 600 records
-# give ~540 samples and ~450k tokens at 1024: extract ~7 min, train two stage-1 epochs and one stage-2 epoch
-# ~10 min, eval ~3 min; about 22 minutes with preparation.
-# A drafter trained this briefly accepts little (τ ≈ 1.1-1.6): on a CPU a short chain costs less per round
-# than a tree, so the demo drafts a chain of 3; `--tree` is the method's default for GPUs.
+# Measured on 2 shared CPU cores (docs/quickstart.md): regeneration ~250 generated tokens/s (batches of 32),
+# extraction ~1,100 tokens/s, training ~2,200 tokens/s with an 8192-token draft vocabulary, plain greedy
+# decoding ~20 tokens/s in fp32. 560 prompts give ~500 answers and ~105k tokens: regenerate ~6 min, extract
+# ~2 min, train eight stage-1 epochs and four stage-2 epochs (~350 steps) ~11 min, eval ~3 min; about 23
+# minutes with preparation.
+# Self-distillation (training on the target's own answers) gave τ 1.32 against 1.20 for ShareGPT's answers
+# at the same number of steps; still a weak drafter, hence the confidence-gated chain (docs/benchmarks.md).
 SIZES = {
-    "default": DemoSize("default", conversations=600, max_length=1024, stage1_epochs=2, stage2_epochs=1,
-                        train_batch_tokens=4096, draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5,
-                        max_new_tokens=128),
-    "smoke": DemoSize("smoke", conversations=16, max_length=256, stage1_epochs=1, stage2_epochs=1,
-                      train_batch_tokens=1024, draft_vocab=8192, lr=1e-3, warmup_steps=2, eval_prompts=1, max_new_tokens=24),
+    "default": DemoSize("default", prompts=560, max_new_tokens_answer=192, max_prompt_length=256,
+                        max_length=1024, stage1_epochs=8, stage2_epochs=4, train_batch_tokens=4096,
+                        draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
+    "smoke": DemoSize("smoke", prompts=16, max_new_tokens_answer=24, max_prompt_length=256, max_length=256,
+                      stage1_epochs=1, stage2_epochs=1, train_batch_tokens=1024, draft_vocab=8192, lr=1e-3,
+                      warmup_steps=2, eval_prompts=1, max_new_tokens=24),
 }
 
 
@@ -79,13 +86,17 @@ def cli_command() -> list[str]:
 
 
 def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool) -> list[tuple[str, list[str]]]:
-    """The four command lines of the demo, in order (arguments only, without the program)."""
+    """The five command lines of the demo, in order (arguments only, without the program)."""
     quiet = [] if progress else ["--no-progress"]
     return [
         ("prepare", ["prepare-demo", "--cache-dir", str(cache.root), *quiet]),
-        ("extract", ["extract", "--model", str(cache.model_dir), "--data", str(cache.sharegpt_path),
-                     "--out", str(out / "store"), "--limit", str(size.conversations),
-                     "--max-length", str(size.max_length), "--dtype", "bfloat16", *quiet]),
+        ("regenerate", ["regenerate", "--model", str(cache.model_dir), "--data", str(cache.sharegpt_path),
+                        "--out", str(out / "answers.jsonl"), "--limit", str(size.prompts), "--max-turns", "1",
+                        "--max-new-tokens", str(size.max_new_tokens_answer),
+                        "--max-prompt-length", str(size.max_prompt_length), "--dtype", "bfloat16", *quiet]),
+        ("extract", ["extract", "--model", str(cache.model_dir), "--data", str(out / "answers.jsonl"),
+                     "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", "bfloat16",
+                     *quiet]),
         ("train", ["train", "--store", str(out / "store"), "--out", str(out / "train"),
                    "--stage1-epochs", str(size.stage1_epochs), "--stage2-epochs", str(size.stage2_epochs),
                    "--batch-tokens", str(size.train_batch_tokens), "--max-length", str(size.max_length),
@@ -169,7 +180,8 @@ def format_table(summary: dict) -> str:
     rows = [
         ("steps", "  ".join(f"{name} {_duration(s)}" for name, s in seconds.items() if name != "total")),
         ("total time", _duration(seconds["total"])),
-        ("samples", f"{summary['samples']:,} ShareGPT conversations (≤ {summary['size']['max_length']} tokens)"),
+        ("samples", f"{summary['samples']:,} ShareGPT prompts answered by the target "
+                    f"(≤ {summary['size']['max_new_tokens_answer']} new tokens each)"),
         ("tokens", f"{summary['tokens']:,} ({summary['loss_tokens']:,} in the loss)"),
         ("store size", f"{summary['store_bytes'] / 2**20:,.1f} MiB"),
         ("training", f"{_duration(seconds.get('train', 0))}, {summary['train_steps']} steps "

@@ -45,6 +45,8 @@ class _TqdmProgress:
 @click.option("--max-prompt-length", default=2048, show_default=True,
               help="Longest prompt (history included); a record whose first prompt is longer is rejected, "
                    "later turns past it are skipped.")
+@click.option("--max-turns", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Answer only the first N user turns of each conversation (0 = all).")
 @click.option("--temperature", default=0.0, show_default=True,
               help="0: greedy answers, what `eval --temperature 0` decodes; > 0 samples.")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling when --temperature > 0.")
@@ -63,6 +65,7 @@ class _TqdmProgress:
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens: int, max_prompt_length: int,
+               max_turns: int,
                temperature: float, top_p: float, seed: int, dtype: str, batch_size: int, chunk_size: int,
                num_workers: int | None, num_gpus_per_worker: float, address: str | None, limit: int | None,
                overwrite: bool, trust_remote_code: bool, no_progress: bool) -> None:
@@ -74,7 +77,8 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
     """
     quiet_ray_loggers()
     generate = GenerateConfig(model_path=model_path, dtype=dtype, max_new_tokens=max_new_tokens,
-                              max_prompt_length=max_prompt_length, batch_size=batch_size, temperature=temperature,
+                              max_prompt_length=max_prompt_length, max_turns=max_turns, batch_size=batch_size,
+                              temperature=temperature,
                               top_p=top_p, seed=seed, trust_remote_code=trust_remote_code)
     config = RegenerateConfig(generate=generate, data=tuple(data), out=out, limit=limit, chunk_size=chunk_size,
                               num_workers=num_workers, num_gpus_per_worker=num_gpus_per_worker, address=address,

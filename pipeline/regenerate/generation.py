@@ -29,6 +29,7 @@ class GenerateConfig:
     dtype: str = "bfloat16"
     max_new_tokens: int = 512     # per answer; a longer answer is cut there (counted as unfinished)
     max_prompt_length: int = 2048  # prompt tokens, history included; a turn beyond it ends the conversation
+    max_turns: int = 0            # user turns answered per conversation; 0 = all
     batch_size: int = 32          # rows per generate call
     temperature: float = 0.0      # 0: greedy, the target's output under `eval --temperature 0`
     top_p: float = 1.0
@@ -79,7 +80,8 @@ class ConversationGenerator:
         """Regenerate every assistant turn of `records`; `seed` fixes sampling for this chunk."""
         torch.manual_seed(seed)
         results = [Answered(r, [{"role": "system", "content": s} for s in r.system]) for r in records]
-        for turn in range(max(len(r.turns) for r in records)):
+        turns = max(len(r.turns) for r in records)
+        for turn in range(min(turns, self.config.max_turns) if self.config.max_turns else turns):
             asking: list[tuple[Answered, list[int]]] = []
             for result in results:
                 if turn >= len(result.record.turns) or result.reject or result.dropped_turns:

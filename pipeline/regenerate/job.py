@@ -87,8 +87,8 @@ class RegenerateSummary:
         if self.chunks_resumed:
             lines.append(f"resumed: {self.chunks_resumed} of {self.chunks} chunks kept from an earlier run")
         if self.generate_seconds:
-            lines.append(f"generation: {rate:,.0f} tokens/s over {self.generate_seconds:.1f}s "
-                         f"(total {self.seconds:.1f}s)")
+            lines.append(f"generation: {rate:,.0f} tokens/s over {self.generate_seconds:.1f}s, loading the target "
+                         f"included (total {self.seconds:.1f}s)")
         return lines
 
 
