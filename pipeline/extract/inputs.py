@@ -40,15 +40,17 @@ REJECT_REASONS: dict[str, str] = {
 
 # Role names seen in ShareGPT-style crawls, mapped to chat-template roles.
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
-          "system": "system", "developer": "system"}
+              "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+              "system": "system", "developer": "system"}
 
 
 class RejectRecord(Exception):
     """Raised while normalising one record; carries the reject reason key and a short detail."""
 
+    reasons: dict[str, str] = REJECT_REASONS  # the keys a reason may take (a subclass brings its own table)
+
     def __init__(self, reason: str, detail: str = "") -> None:
-        assert reason in REJECT_REASONS, reason
+        assert reason in self.reasons, reason
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail

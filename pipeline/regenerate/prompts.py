@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.extract.inputs import ROLE_NAMES, check_data_path, iter_raw_records, sha256_path
+from pipeline.extract.inputs import ROLE_NAMES, RejectRecord, check_data_path, iter_raw_records, sha256_path
 
 # Reasons a record can be rejected by regeneration (written to the rejects file by these keys).
 REGENERATE_REJECT_REASONS: dict[str, str] = {
@@ -25,14 +25,10 @@ REGENERATE_REJECT_REASONS: dict[str, str] = {
 }
 
 
-class RejectPrompt(Exception):
+class RejectPrompt(RejectRecord):
     """One record that cannot be regenerated; `reason` is a key of REGENERATE_REJECT_REASONS."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        assert reason in REGENERATE_REJECT_REASONS, reason
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+    reasons = REGENERATE_REJECT_REASONS
 
 
 @dataclass(frozen=True)
