@@ -9,20 +9,14 @@ cluster (never a local Ray). Every flag of `beagle-pipeline extract` is accepted
 """
 from __future__ import annotations
 
-import logging
 import sys
 
+from jobs.cluster import run_joined
 from pipeline.extract.cli import extract
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--address" not in args:
-        args += ["--address", "auto"]
-    logging.basicConfig(level=logging.INFO if "-v" in args else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    args = [a for a in args if a != "-v"]
-    extract.main(args=args, prog_name="jobs/extract.py")
+    run_joined(extract, sys.argv[1:] if argv is None else argv, prog_name="jobs/extract.py")
 
 
 if __name__ == "__main__":
