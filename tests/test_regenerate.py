@@ -190,6 +190,20 @@ def test_unfinished_work_from_other_settings_is_refused(workspace, ray_address):
     shutil.rmtree(work)
 
 
+def test_a_second_job_into_the_same_output_is_refused(workspace, tmp_path):
+    """While one job holds OUT.lock (flock; here this test holds it), another stops at once, naming it."""
+    import fcntl
+
+    from pipeline.regenerate.job import lock_path
+
+    out = tmp_path / "busy.jsonl"
+    with open(lock_path(str(out)), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="being written by another process"):
+            run_regenerate(_config(workspace, out))
+    assert not out.exists() and not partial_dir(str(out)).exists()
+
+
 def test_max_turns_answers_only_the_first_turns(workspace):
     """Without Ray: the generator itself, on a two-turn record."""
     from pipeline.regenerate.generation import ConversationGenerator

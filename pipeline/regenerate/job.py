@@ -6,6 +6,7 @@ Layout next to `--out answers.jsonl`:
   answers.jsonl.manifest.json  what made it: target fingerprint, settings, input hashes, counts
   answers.jsonl.rejects.jsonl  records that could not be used, each with file, record and reason
   answers.jsonl.partial/       work in progress: one file per finished chunk; removed on success
+  answers.jsonl.lock           held (flock) while a job writes; a second job into the same --out is refused
 
 Chunks are cut from the inputs in order, so they depend only on inputs and settings: a rerun after a crash
 keeps the finished chunks (same settings) and redoes the rest. The output file appears only once it is
@@ -14,6 +15,8 @@ matching manifest is never partial.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -24,7 +27,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from pipeline.extract.forward import DTYPES, target_fingerprint, weight_files
 from pipeline.ray_session import connect_ray, joined_cluster, quiet_ray_data
@@ -192,11 +195,41 @@ def _prepare_work_dir(config: RegenerateConfig, facts_hash: str) -> Path:
     return work
 
 
+def lock_path(out: str) -> Path:
+    return Path(out + ".lock")
+
+
+@contextlib.contextmanager
+def _output_lock(out: str) -> Iterator[None]:
+    """Hold OUT.lock (flock) for the whole job, so two jobs never interleave chunks of one output.
+
+    The kernel drops the lock when its holder dies, so a rerun after a crash is never blocked.
+    """
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"--out {out} is being written by another process (it holds {path}); wait for that "
+                             "job to finish, or choose another --out") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None) -> RegenerateSummary:
     """The whole job; rerun the same command to resume after a crash."""
     started = time.perf_counter()
     _check(config)
     read = read_prompts(list(config.data), limit=config.limit)
+    with _output_lock(config.out):
+        return _run_locked(config, read, progress, started)
+
+
+def _run_locked(config: RegenerateConfig, read: PromptRead, progress: Progress | None,
+                started: float) -> RegenerateSummary:
     facts = identity(config, read)
     facts_hash = _identity_hash(facts)
     out, manifest = Path(config.out), manifest_path(config.out)
@@ -204,8 +237,9 @@ def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None
     if out.exists():
         done = manifest.is_file() and json.loads(manifest.read_text()).get("identity_sha256") == facts_hash
         if done and not config.overwrite:
-            counts = json.loads(manifest.read_text())["counts"]
-            summary.__dict__.update({k: v for k, v in counts.items() if k in summary.__dict__}, state="complete")
+            for key, value in json.loads(manifest.read_text())["counts"].items():
+                setattr(summary, key, value)
+            summary.state = "complete"
             summary.seconds = time.perf_counter() - started
             return summary
         if not config.overwrite:
