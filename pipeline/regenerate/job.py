@@ -15,8 +15,6 @@ matching manifest is never partial.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -27,9 +25,10 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 from pipeline.extract.forward import DTYPES, target_fingerprint, weight_files
+from pipeline.file_lock import exclusive_lock
 from pipeline.ray_session import connect_ray, joined_cluster, quiet_ray_data
 from pipeline.regenerate.generation import Answered, GenerateConfig
 from pipeline.regenerate.prompts import PromptRead, PromptRecord, read_prompts
@@ -199,32 +198,17 @@ def lock_path(out: str) -> Path:
     return Path(out + ".lock")
 
 
-@contextlib.contextmanager
-def _output_lock(out: str) -> Iterator[None]:
-    """Hold OUT.lock (flock) for the whole job, so two jobs never interleave chunks of one output.
-
-    The kernel drops the lock when its holder dies, so a rerun after a crash is never blocked.
-    """
-    path = lock_path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"--out {out} is being written by another process (it holds {path}); wait for that "
-                             "job to finish, or choose another --out") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None) -> RegenerateSummary:
     """The whole job; rerun the same command to resume after a crash."""
     started = time.perf_counter()
     _check(config)
     read = read_prompts(list(config.data), limit=config.limit)
-    with _output_lock(config.out):
+    path = lock_path(config.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Held for the whole job, so two jobs never interleave chunks of one output.
+    with exclusive_lock(str(path), lambda: ValueError(
+            f"--out {config.out} is being written by another process (it holds {path}); wait for that job to "
+            "finish, or choose another --out")):
         return _run_locked(config, read, progress, started)
 
 

@@ -6,7 +6,6 @@ complete `manifest.json` is never read as a store, so a crash can never leave ou
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.file_lock import exclusive_lock
 from pipeline.store import fp8
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
@@ -78,16 +78,10 @@ def store_lock(url: str) -> Iterator[None]:
         return
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, fmt.LOCK)
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreConflictError(f"{url} is being written by another process (it holds {path}); "
-                                     "wait for that job to finish, or choose another --out") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with exclusive_lock(path, lambda: StoreConflictError(
+            f"{url} is being written by another process (it holds {path}); wait for that job to finish, "
+            "or choose another --out")):
+        yield
 
 
 def _clear_store(fs: Any, root: str) -> None:
