@@ -48,11 +48,11 @@ class DemoSize:
     eval_dtype: str = "float32"  # greedy equality with plain decoding is checked in one dtype
 
 
-# Measured on 2 shared CPU cores (docs/quickstart.md): regeneration ~250 generated tokens/s (batches of 32),
-# extraction ~1,100 tokens/s, training ~2,200 tokens/s with an 8192-token draft vocabulary, plain greedy
-# decoding ~20 tokens/s in fp32. 560 prompts give ~500 answers and ~105k tokens: regenerate ~6 min, extract
-# ~2 min, train eight stage-1 epochs and four stage-2 epochs (~350 steps) ~11 min, eval ~3 min; about 23
-# minutes with preparation.
+# Measured from a fresh clone on 2 shared CPU cores (docs/quickstart.md): regeneration ~160 generated tokens/s
+# under Ray (batches of 32), extraction ~900 tokens/s, training ~2,200 tokens/s with an 8192-token draft
+# vocabulary, plain greedy decoding ~22 tokens/s in fp32. 560 prompts give ~450 answers and ~100k tokens:
+# regenerate ~7 min, extract ~2 min, train eight stage-1 epochs and four stage-2 epochs (~330 steps)
+# ~9.5 min, eval ~2 min; about 21 minutes with preparation.
 # Self-distillation (training on the target's own answers) gave τ 1.32 against 1.20 for ShareGPT's answers
 # at the same number of steps; still a weak drafter, hence the confidence-gated chain (docs/benchmarks.md).
 SIZES = {
