@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Any
 
 
 def connect_ray(address: str | None, workers: int | None) -> bool:
@@ -51,3 +53,38 @@ def quiet_ray_loggers() -> None:
         import ray.data  # noqa: F401 - configures its loggers on import; quiet them afterwards
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@dataclass(frozen=True)
+class ActorPool:
+    """How many model actors a job runs and what each reserves, sized from the cluster Ray sees."""
+
+    workers: int
+    threads: int | None              # torch threads per actor; None leaves torch's default
+    resources: dict[str, float]      # {"num_gpus": n} on a GPU cluster, else {"num_cpus": 1}
+    kind: str                        # "GPU" or "CPU", for logs
+
+    def map_batches(self, dataset: Any, actor: type, **constructor_kwargs: Any) -> Any:
+        """`dataset` mapped one row at a time through `actor`, one task in flight per actor."""
+        import ray.data
+
+        return dataset.map_batches(actor, batch_size=1, **self.resources,
+                                   compute=ray.data.ActorPoolStrategy(size=self.workers,
+                                                                      max_tasks_in_flight_per_actor=1),
+                                   fn_constructor_kwargs=constructor_kwargs)
+
+
+def size_actor_pool(*, items: int, num_workers: int | None, num_gpus_per_worker: float, threads: int | None,
+                    address: str | None) -> ActorPool:
+    """One actor per `num_gpus_per_worker` GPUs (or `num_workers`), never more than `items`; on a local
+    CPU-only Ray, one CPU actor whose threads split this machine's cores."""
+    import ray
+
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpus and num_gpus_per_worker > gpus:
+        raise ValueError(f"--num-gpus-per-worker {num_gpus_per_worker} exceeds the cluster's {gpus} GPU(s)")
+    workers = min(num_workers or max(1, int(gpus // num_gpus_per_worker)), items)
+    if threads is None and not gpus and not joined_cluster(address):
+        threads = max(1, (os.cpu_count() or 1) // workers)
+    resources = {"num_gpus": num_gpus_per_worker} if gpus else {"num_cpus": 1}
+    return ActorPool(workers, threads, resources, "GPU" if gpus else "CPU")

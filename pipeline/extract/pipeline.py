@@ -22,7 +22,7 @@ from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokeni
 from pipeline.extract.forward import DTYPES, ForwardConfig, normalize_layers, target_fingerprint, weight_files
 from pipeline.extract.inputs import ReadResult, check_data_path, read_inputs
 from pipeline.extract.summary import ExtractSummary
-from pipeline.ray_session import connect_ray, joined_cluster, quiet_ray_data
+from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
 
 logger = logging.getLogger(__name__)
 
@@ -177,32 +177,23 @@ def dry_run(config: ExtractConfig) -> ExtractSummary:
 def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
                     progress: Progress | None) -> list[dict]:
     """Run the actor pool over the pending shards; returns their infos as they commit."""
-    import ray
     import ray.data
 
     from pipeline.extract.actor import ShardExtractor
 
     config = prepared.config
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    per_worker = config.num_gpus_per_worker
-    if gpus and per_worker > gpus:
-        raise ValueError(f"--num-gpus-per-worker {per_worker} exceeds the cluster's {gpus} GPU(s)")
-    workers = config.num_workers or max(1, int(gpus // per_worker))
-    workers = min(workers, len(shards))
-    joined = joined_cluster(config.address)
-    threads = config.threads or (None if (gpus or joined) else max(1, (os.cpu_count() or 1) // workers))
+    pool = size_actor_pool(items=len(shards), num_workers=config.num_workers,
+                           num_gpus_per_worker=config.num_gpus_per_worker, threads=config.threads,
+                           address=config.address)
     forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
-                                   dtype=config.dtype, batch_tokens=config.batch_tokens, threads=threads,
+                                   dtype=config.dtype, batch_tokens=config.batch_tokens, threads=pool.threads,
                                    trust_remote_code=config.trust_remote_code, device_map=config.device_map)
     rows = [{"shard_index": k, "samples": pickle.dumps([{key: s[key] for key in ("sample_id", "input_ids", "loss_mask")}
                                                          for s in samples])}
             for k, samples in sorted(shards.items())]
-    dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
-    resources = {"num_gpus": per_worker} if gpus else {"num_cpus": 1}
-    dataset = dataset.map_batches(ShardExtractor, batch_size=1, **resources,
-                                  compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
-                                  fn_constructor_kwargs={"config": forward_config, "store_url": url})
-    logger.info("forward: %d shards on %d %s actor(s)", len(rows), workers, "GPU" if gpus else "CPU")
+    dataset = pool.map_batches(ray.data.from_items(rows, override_num_blocks=len(rows)), ShardExtractor,
+                               config=forward_config, store_url=url)
+    logger.info("forward: %d shards on %d %s actor(s)", len(rows), pool.workers, pool.kind)
     infos = []
     for row in dataset.iter_rows():
         info = json.loads(row["info"])

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from pipeline.extract.forward import DTYPES, target_fingerprint, weight_files
 from pipeline.file_lock import exclusive_lock
-from pipeline.ray_session import connect_ray, joined_cluster, quiet_ray_data
+from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
 from pipeline.regenerate.generation import Answered, GenerateConfig
 from pipeline.regenerate.prompts import PromptRead, PromptRecord, read_prompts
 
@@ -266,21 +266,15 @@ def _answer_chunks(config: RegenerateConfig, pending: dict[int, list[PromptRecor
     quiet_ray_data()
     tokens = 0
     try:
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        per_worker = config.num_gpus_per_worker
-        workers = min(config.num_workers or max(1, int(gpus // per_worker)), len(pending))
-        threads = config.generate.threads
-        if threads is None and not gpus and not joined_cluster(config.address):
-            threads = max(1, (os.cpu_count() or 1) // workers)
+        pool = size_actor_pool(items=len(pending), num_workers=config.num_workers,
+                               num_gpus_per_worker=config.num_gpus_per_worker, threads=config.generate.threads,
+                               address=config.address)
         generate = GenerateConfig(**{**asdict(config.generate), "model_path": os.path.abspath(config.generate.model_path),
-                                     "threads": threads})
+                                     "threads": pool.threads})
         rows = [{"chunk": k, "records": pickle.dumps(records)} for k, records in sorted(pending.items())]
-        dataset = ray.data.from_items(rows, override_num_blocks=len(rows))
-        resources = {"num_gpus": per_worker} if gpus else {"num_cpus": 1}
-        dataset = dataset.map_batches(ChunkAnswerer, batch_size=1, **resources,
-                                      compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
-                                      fn_constructor_kwargs={"config": generate})
-        logger.info("regenerate: %d chunks on %d %s actor(s)", len(rows), workers, "GPU" if gpus else "CPU")
+        dataset = pool.map_batches(ray.data.from_items(rows, override_num_blocks=len(rows)), ChunkAnswerer,
+                                   config=generate)
+        logger.info("regenerate: %d chunks on %d %s actor(s)", len(rows), pool.workers, pool.kind)
         for row in dataset.iter_rows():
             answered: list[Answered] = pickle.loads(row["answered"])
             _atomic_write(_chunk_path(work, int(row["chunk"])), _chunk_lines(answered))
