@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pipeline.hashing import update_from_file
 
@@ -236,7 +236,20 @@ def check_data_path(path: str) -> Path:
 
 def read_inputs(paths: list[str], *, limit: int | None = None) -> ReadResult:
     """Read every input in order; stop once `limit` usable records are collected."""
-    result = ReadResult()
+    return ReadResult(*read_records(paths, normalize_record, limit=limit))
+
+
+def read_records(paths: list[str], normalize: Callable[..., Any], *,
+                 limit: int | None = None) -> tuple[list[Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(records, rejects, sources) of every input in order, stopping once `limit` records are usable.
+
+    `normalize(obj, source=, index=, default_id=)` turns one raw record into a frozen dataclass with
+    `sample_id` and `line` fields, or raises `RejectRecord` (or a subclass with its own reasons); a record
+    whose id was already seen is rejected as `duplicate_id`. Extraction and regeneration both read this way.
+    """
+    records: list[Any] = []
+    rejects: list[dict[str, Any]] = []
+    sources: list[dict[str, Any]] = []
     checked = [check_data_path(p) for p in paths]
     names = [p.name for p in checked]
     seen_ids: set[str] = set()
@@ -246,7 +259,7 @@ def read_inputs(paths: list[str], *, limit: int | None = None) -> ReadResult:
         prefix = path.name if names.count(path.name) == 1 else f"{path.name}@{digest[:8]}"
         count = 0
         for index, obj, parse_error, line in iter_raw_records(path):
-            if limit is not None and len(result.records) >= limit:
+            if limit is not None and len(records) >= limit:
                 break
             count += 1
             where = {"source": given, "index": index}
@@ -255,16 +268,16 @@ def read_inputs(paths: list[str], *, limit: int | None = None) -> ReadResult:
             try:
                 if parse_error is not None:
                     raise RejectRecord("malformed_json", parse_error)
-                record = normalize_record(obj, source=given, index=index, default_id=f"{prefix}:{index}")
+                record = normalize(obj, source=given, index=index, default_id=f"{prefix}:{index}")
                 if record.sample_id in seen_ids:
                     raise RejectRecord("duplicate_id", f"id {record.sample_id!r} seen before")
             except RejectRecord as reject:
-                result.rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
+                rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
                 continue
             if line is not None:
                 record = dataclasses.replace(record, line=line)
             seen_ids.add(record.sample_id)
-            result.records.append(record)
-        result.sources.append({"path": given, "sha256": digest, "records": count})
+            records.append(record)
+        sources.append({"path": given, "sha256": digest, "records": count})
         logger.info("read %s: %d records", given, count)
-    return result
+    return records, rejects, sources

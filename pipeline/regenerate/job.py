@@ -171,7 +171,7 @@ def _chunk_lines(answered: list[Answered]) -> str:
             lines.append({"reject": {**where, "reason": result.reject,
                                      "detail": "the first turn's prompt is longer than --max-prompt-length"}})
         else:
-            lines.append({"id": record.record_id, "messages": result.messages, "source": where,
+            lines.append({"id": record.sample_id, "messages": result.messages, "source": where,
                           "regenerated": {"tokens": result.generated_tokens, "unfinished_turns": result.unfinished_turns,
                                           "dropped_turns": result.dropped_turns}})
     return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)

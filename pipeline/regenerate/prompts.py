@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.extract.inputs import ROLE_NAMES, RejectRecord, check_data_path, iter_raw_records, sha256_path
+from pipeline.extract.inputs import ROLE_NAMES, RejectRecord, read_records
 
 # Reasons a record can be rejected by regeneration (written to the rejects file by these keys).
 REGENERATE_REJECT_REASONS: dict[str, str] = {
@@ -35,7 +35,7 @@ class RejectPrompt(RejectRecord):
 class PromptRecord:
     """The prompts of one conversation, asked in order; each answer is carried into the next turn."""
 
-    record_id: str
+    sample_id: str
     source: str
     index: int                # 0-based record position in its file
     system: tuple[str, ...]   # leading system messages
@@ -80,7 +80,7 @@ def normalize_prompt_record(obj: Any, *, source: str, index: int, default_id: st
     if not isinstance(obj, dict):
         raise RejectPrompt("not_an_object", f"record is {type(obj).__name__}")
     raw_id = obj.get("id", obj.get("question_id"))
-    record_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) else default_id
+    sample_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) else default_id
     system: tuple[str, ...] = ()
     if obj.get("conversations") is not None:
         system, turns = _from_turns(obj["conversations"], "from", "value")
@@ -97,7 +97,7 @@ def normalize_prompt_record(obj: Any, *, source: str, index: int, default_id: st
     turns = tuple(t for t in turns if t.strip())
     if not turns:
         raise RejectPrompt("no_user_turn", "no non-empty user turn")
-    return PromptRecord(record_id, source, index, system, turns)
+    return PromptRecord(sample_id, source, index, system, turns)
 
 
 @dataclass
@@ -108,30 +108,5 @@ class PromptRead:
 
 
 def read_prompts(paths: list[str], *, limit: int | None = None) -> PromptRead:
-    """Read every input in order, stopping once `limit` usable records are collected."""
-    result = PromptRead([], [], [])
-    seen: set[str] = set()
-    for given in paths:
-        path = check_data_path(given)
-        digest = sha256_path(path)
-        count = 0
-        for index, obj, parse_error, line in iter_raw_records(path):
-            if limit is not None and len(result.records) >= limit:
-                break
-            count += 1
-            where: dict[str, Any] = {"source": given, "index": index}
-            if line is not None:
-                where["line"] = line
-            try:
-                if parse_error is not None:
-                    raise RejectPrompt("malformed_json", parse_error)
-                record = normalize_prompt_record(obj, source=given, index=index, default_id=f"{path.name}:{index}")
-                if record.record_id in seen:
-                    raise RejectPrompt("duplicate_id", f"id {record.record_id!r} seen before")
-            except RejectPrompt as reject:
-                result.rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
-                continue
-            seen.add(record.record_id)
-            result.records.append(PromptRecord(record.record_id, given, index, record.system, record.turns, line))
-        result.sources.append({"path": given, "sha256": digest, "records": count})
-    return result
+    """Read every input in order (as extraction does), stopping once `limit` usable records are collected."""
+    return PromptRead(*read_records(paths, normalize_prompt_record, limit=limit))
