@@ -219,9 +219,9 @@ def _run_locked(config: RegenerateConfig, read: PromptRead, progress: Progress |
     out, manifest = Path(config.out), manifest_path(config.out)
     summary = RegenerateSummary(out=config.out)
     if out.exists():
-        done = manifest.is_file() and json.loads(manifest.read_text()).get("identity_sha256") == facts_hash
-        if done and not config.overwrite:
-            for key, value in json.loads(manifest.read_text())["counts"].items():
+        made = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        if made.get("identity_sha256") == facts_hash and not config.overwrite:
+            for key, value in made["counts"].items():
                 setattr(summary, key, value)
             summary.state = "complete"
             summary.seconds = time.perf_counter() - started
