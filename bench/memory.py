@@ -1,8 +1,8 @@
 """P4 (not a test): memory kept for backward by stage 2 at s=4 ÷ s=1, next to the EAGLE-3 style
-training-time-test loop's (beagle/ttt.py), same model, same batch, same run.
+training-time-test loop's (bench/ttt.py), same model, same batch, same run.
 
 On CUDA this is the allocator peak of forward + backward above the model; on CPU the bytes autograd
-saves for backward (beagle/profiling.py), which is what grows with the steps. SmolLM2-135M shapes,
+saves for backward (bench/profiling.py), which is what grows with the steps. SmolLM2-135M shapes,
 random weights and states (memory does not depend on values).
 
     python bench/memory.py [--quick] [--length 512] [--batch 2] [--json out.json]
@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.common import emit, record  # noqa: E402
+from bench.profiling import count_saved_bytes  # noqa: E402
+from bench.ttt import ttt_loss  # noqa: E402
 from beagle.data import Batch  # noqa: E402
 from beagle.model import BeagleDrafter, DrafterConfig  # noqa: E402
-from beagle.profiling import count_saved_bytes  # noqa: E402
 from beagle.stages import StageSettings, stage2_loss  # noqa: E402
-from beagle.ttt import ttt_loss  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
                vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5)

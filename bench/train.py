@@ -6,7 +6,7 @@ same batch, and the data-wait fraction of the store loader.
     python bench/train.py --device cuda        # bf16 autocast, allocator peak
 
 Memory: on CUDA the allocator's peak above the model; on CPU the bytes autograd keeps for backward
-(beagle.profiling), which is what grows with simulation steps. Random weights and states: the timing
+(bench.profiling), which is what grows with simulation steps. Random weights and states: the timing
 and memory do not depend on values.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 
 from beagle.data import Batch, Loader, StoreSet, plan_epoch
 from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
-from beagle.profiling import count_saved_bytes
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
+from bench.profiling import count_saved_bytes
 from pipeline.store import write_store
 
 PRESETS = {

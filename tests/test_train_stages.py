@@ -5,8 +5,8 @@ import torch
 from beagle.data import StoreSet, collate
 from beagle.masks import depth_positions
 from beagle.model import BeagleDrafter, DrafterConfig
-from beagle.profiling import count_saved_bytes
 from beagle.stages import StageSettings, simulate, stage1_loss, stage2_loss
+from bench.profiling import count_saved_bytes
 from tests.tiny_store import build_tiny_store
 
 

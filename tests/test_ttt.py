@@ -5,9 +5,9 @@ import torch
 
 from beagle.data import Batch, StoreSet, collate
 from beagle.model import BeagleDrafter, DrafterConfig
-from beagle.profiling import count_saved_bytes
 from beagle.stages import StageSettings, stage2_loss
-from beagle.ttt import ttt_forward, ttt_loss, ttt_mask
+from bench.profiling import count_saved_bytes
+from bench.ttt import ttt_forward, ttt_loss, ttt_mask
 from tests.tiny_store import build_tiny_store
 
 CFG = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
