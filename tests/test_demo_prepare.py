@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from pipeline.demo import packages
 from pipeline.demo import prepare as prep
 from pipeline.demo.sharegpt import DecodeStats, iter_conversations, iter_json_array
-from pipeline.hashing import sha256_local_file
+from pipeline.store.hashing import sha256_local_file
 from tests.tiny import build_tokenizer
 
 gguf = pytest.importorskip("gguf")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.demo import mtbench, packages, sharegpt
-from pipeline.hashing import sha256_local_file
+from pipeline.store.hashing import sha256_local_file
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from pipeline.hashing import update_from_file
+from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pipeline.hashing import update_from_file
+from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
 

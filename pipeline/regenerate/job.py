@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.extract.forward import DTYPES, target_fingerprint, weight_files
-from pipeline.file_lock import exclusive_lock
+from pipeline.store.file_lock import exclusive_lock
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
 from pipeline.regenerate.generation import Answered, GenerateConfig
 from pipeline.regenerate.prompts import PromptRead, PromptRecord, read_prompts

@@ -13,9 +13,8 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from pipeline.hashing import update_from_stream
-
 from pipeline.store.errors import StoreFormatError
+from pipeline.store.hashing import update_from_stream
 
 SCHEMA_VERSION = "1.0"
 # Bump when the meaning of stored bytes changes; part of every dataset_id.

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.file_lock import exclusive_lock
+from pipeline.store.file_lock import exclusive_lock
 from pipeline.store import fp8
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
