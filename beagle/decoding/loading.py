@@ -9,17 +9,10 @@ from pathlib import Path
 import torch
 
 from beagle.decoding.verify import check_supported
+from beagle.devices import DTYPES, pick_device, torch_dtype  # noqa: F401  (eval_cli and bench/decode use these)
 from beagle.export import CONFIG_NAME, load_drafter
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def load_target(model_path: str | Path, dtype: str, device: torch.device):
@@ -30,7 +23,7 @@ def load_target(model_path: str | Path, dtype: str, device: torch.device):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'} not found; --model must be a local HF model directory")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
     check_supported(model)
     return model, tokenizer
 
@@ -58,5 +51,5 @@ def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.d
             logger.warning("drafter %s was trained on a target whose config.json differs from %s; "
                            "acceptance may be poor", drafter_dir, model_config)
     drafter, _ = load_drafter(drafter_dir, embed_tokens=embed.detach(), lm_head=head.detach(),
-                              device=device, dtype=DTYPES[dtype])
+                              device=device, dtype=torch_dtype(dtype))
     return drafter, meta

@@ -18,11 +18,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from beagle.devices import pick_device, torch_dtype
 from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _ARCHITECTURE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                       "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps", "num_hidden_layers",
@@ -103,7 +103,7 @@ class TargetForward:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(config.device)
         weight_files(config.model_path)
         # On a GPU, load straight onto it (no full copy in host memory first). One GPU per actor, or with
         # device_map="auto" consecutive layers spread over the actor's GPUs (accelerate); inputs then go to
@@ -115,7 +115,7 @@ class TargetForward:
                 raise ValueError(f"device_map={config.device_map!r} needs the accelerate package; "
                                  "pip install accelerate (on every node)")
         model = AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=DTYPES[config.dtype], local_files_only=True,
+            config.model_path, dtype=torch_dtype(config.dtype), local_files_only=True,
             trust_remote_code=config.trust_remote_code, device_map=device_map)
         if config.device_map:
             self.device = model.get_input_embeddings().weight.device

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from beagle.devices import torch_dtype
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
-from pipeline.extract.forward import DTYPES, ForwardConfig, normalize_layers, target_fingerprint, weight_files
+from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint, weight_files
 from pipeline.extract.inputs import ReadResult, check_data_path, read_inputs
 from pipeline.extract.summary import ExtractSummary
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
@@ -86,8 +87,7 @@ def prepare(config: ExtractConfig) -> Prepared:
     for path in config.data:
         check_data_path(path)
     weight_files(config.model_path)
-    if config.dtype not in DTYPES:
-        raise ValueError(f"--dtype {config.dtype}: use one of {sorted(DTYPES)}")
+    torch_dtype(config.dtype)
     if config.num_gpus_per_worker <= 0:
         raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: must be > 0")
     if config.device_map not in (None, "auto"):
@@ -143,7 +143,7 @@ def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
 
 def estimate_store_bytes(prepared: Prepared, tokens: int) -> tuple[int, int]:
     """(total, head): tokens x (layers x d x dtype size + 5 for ids and mask), plus the [V, d] head twice."""
-    element = DTYPES[prepared.config.dtype].itemsize
+    element = torch_dtype(prepared.config.dtype).itemsize
     head = 2 * prepared.vocab_size * prepared.hidden_size * element
     return tokens * (len(prepared.layers) * prepared.hidden_size * element + 5) + head, head
 
@@ -228,7 +228,8 @@ def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> E
 def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: Progress | None,
                 started: float) -> ExtractSummary:
     from pipeline.store import (begin_store, commit_manifest, committed_shards, compute_dataset_id, open_store,
-                                store_identity, write_head, write_rejects)
+                                store_identity, write_rejects)
+    from pipeline.extract.store_tensors import write_head
 
     facts = identity(prepared, target_fingerprint(config.model_path, config.dtype))
     dataset_id = compute_dataset_id(store_identity(**facts))

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from beagle.devices import pick_device, torch_dtype
 from beagle.prompts import eos_token_ids, render
 from pipeline.extract.chat import load_tokenizer
-from pipeline.extract.forward import DTYPES
 from pipeline.regenerate.prompts import PromptRecord
 
 logger = logging.getLogger(__name__)
@@ -60,13 +60,13 @@ class ConversationGenerator:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(config.device)
         self.tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
         if not isinstance(getattr(self.tokenizer, "chat_template", None), str):
             raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template; add a "
                              "chat_template to tokenizer_config.json")
         self.model = AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code,
+            config.model_path, dtype=torch_dtype(config.dtype), trust_remote_code=config.trust_remote_code,
         ).to(self.device).eval()
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.extract.forward import DTYPES, target_fingerprint, weight_files
+from beagle.devices import DTYPES
+from pipeline.extract.forward import target_fingerprint, weight_files
 from pipeline.store.file_lock import exclusive_lock
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
 from pipeline.regenerate.generation import Answered, GenerateConfig
