@@ -18,7 +18,7 @@ recursive rejection sampling in `acceptance.py` the output follows the target's 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -105,85 +105,121 @@ def _propose_children(log_q: torch.Tensor, phi: torch.Tensor, perturbed: torch.T
     return tokens, torch.gather(paths, 1, tokens), truncated
 
 
+@dataclass
+class _Proposals:
+    """Every proposed node, in proposal order (id 0 = root): token, parent id, depth, ranking score; and,
+    when sampling, the drafter's distribution at each expanded node."""
+
+    tokens: list[torch.Tensor]
+    parents: list[torch.Tensor]
+    depths: list[torch.Tensor]
+    scores: list[torch.Tensor]
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    next_id: int = 1
+
+    @classmethod
+    def root(cls, root_token: int, device: torch.device) -> "_Proposals":
+        return cls(tokens=[torch.tensor([root_token], device=device)], parents=[torch.tensor([-1], device=device)],
+                   depths=[torch.zeros(1, dtype=torch.long, device=device)], scores=[torch.zeros(1, device=device)])
+
+    def add(self, tokens: torch.Tensor, expanded_ids: torch.Tensor, depth: int, scores: torch.Tensor) -> torch.Tensor:
+        """Record the children `[n, top_k]` of the `n` expanded nodes; return their ids, flattened."""
+        count = tokens.numel()
+        ids = torch.arange(self.next_id, self.next_id + count, device=tokens.device)
+        self.next_id += count
+        self.tokens.append(tokens.reshape(-1))
+        self.parents.append(expanded_ids[:, None].expand_as(tokens).reshape(-1))
+        self.depths.append(torch.full((count,), depth, dtype=torch.long, device=tokens.device))
+        self.scores.append(scores.reshape(-1))
+        return ids
+
+    def select(self, total_tokens: int, min_score: float) -> DraftTree:
+        return _select_nodes(self.tokens, self.parents, self.depths, self.scores, self.draft_probs, total_tokens,
+                             min_score)
+
+
+@dataclass
+class _KeyBank:
+    """Drafted states kept as keys for their descendants (spec §5), and which of them each query sees."""
+
+    keys: torch.Tensor | None = None          # [1, H_kv, S, hd]
+    values: torch.Tensor | None = None        # [1, H_kv, S, hd]
+    query_mask: torch.Tensor | None = None    # [q, S] bank slots each query of this step sees
+    visible_below: torch.Tensor | None = None  # [q, S] bank slots a child of each query of this step sees
+
+    def attention_inputs(self, true_keys: torch.Tensor, true_values: torch.Tensor, num_queries: int):
+        """Keys, values `[1, H_kv, L (+ S), hd]` and mask `[1, 1, q, L (+ S)]` for this step's queries."""
+        mask = torch.ones(1, 1, num_queries, true_keys.shape[-2], dtype=torch.bool, device=true_keys.device)
+        if self.keys is None:
+            return true_keys, true_values, mask
+        return (torch.cat([true_keys, self.keys], dim=-2), torch.cat([true_values, self.values], dim=-2),
+                torch.cat([mask, self.query_mask[None, None]], dim=-1))
+
+    def append(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        """Add this step's queries' states `[1, H_kv, q, hd]`: a query's children see it and what it saw."""
+        num_queries = new_keys.shape[-2]
+        first_slot = 0 if self.keys is None else self.keys.shape[-2]
+        self.keys = new_keys if self.keys is None else torch.cat([self.keys, new_keys], dim=-2)
+        self.values = new_values if self.values is None else torch.cat([self.values, new_values], dim=-2)
+        rows = torch.arange(num_queries, device=new_keys.device)
+        own = torch.zeros(num_queries, self.keys.shape[-2], dtype=torch.bool, device=new_keys.device)
+        own[rows, first_slot + rows] = True
+        if self.query_mask is not None:
+            own[:, :self.query_mask.shape[-1]] |= self.query_mask
+        self.visible_below = own  # row r: what children of the r-th query see
+
+    def expand(self, parent_rows: torch.Tensor) -> None:
+        """The next step's queries are children of these rows of this step's queries."""
+        self.query_mask = self.visible_below[parent_rows]
+
+
 def build_draft_tree(backend, root_token: int, root_position: int, config: DraftConfig,
                      generator: torch.Generator | None = None) -> DraftTree:
     """Draft a tree after the root token. `backend` (see `drafters.py`) wraps the drafter and its cache
     of keys for the committed positions < root."""
     true_keys, true_values = backend.keys(), backend.values()  # [1, H_kv, L, hd]
     device = true_keys.device
-    num_true = true_keys.shape[-2]
     sample = config.temperature > 0
     scale = 1.0 / config.temperature if sample else 1.0
     concatenate = backend.concatenate and config.depth > 1
     parent_states = backend.root_parent_states()  # [1, q, d] or None
-
-    # Every proposed node, in proposal order (id 0 = root): token, parent id, depth, ranking score.
-    node_tokens = [torch.tensor([root_token], device=device)]
-    node_parents = [torch.tensor([-1], device=device)]
-    node_depths = [torch.zeros(1, dtype=torch.long, device=device)]
-    node_scores = [torch.zeros(1, device=device)]
-    draft_probs: dict[int, torch.Tensor] = {}
-
-    bank_keys = bank_values = None          # drafted states as keys: [1, H_kv, S, hd]
-    visible_below: torch.Tensor | None = None  # [#expanded, S] bank slots a child of each expanded node sees
+    proposals = _Proposals.root(root_token, device)
+    bank = _KeyBank()
     expanded_ids = torch.zeros(1, dtype=torch.long, device=device)  # node ids run at this step
-    query_tokens = node_tokens[0]
-    query_bank_mask = None
-    phi = torch.zeros(1, device=device)
-    perturbed = torch.zeros(1, device=device)
-    next_id = 1
-    frontier = None
+    query_tokens = proposals.tokens[0]
+    phi = torch.zeros(1, device=device)        # path log-prob of each expanded node
+    perturbed = torch.zeros(1, device=device)  # its ranking score
 
     for step in range(config.depth):
+        last = step + 1 == config.depth
         num_queries = query_tokens.shape[0]
         positions = torch.full((1, num_queries), root_position + step, dtype=torch.long, device=device)
-        mask = torch.ones(1, 1, num_queries, num_true, dtype=torch.bool, device=device)
-        keys, values = true_keys, true_values
-        if concatenate and bank_keys is not None:
-            keys = torch.cat([true_keys, bank_keys], dim=-2)
-            values = torch.cat([true_values, bank_values], dim=-2)
-            mask = torch.cat([mask, query_bank_mask[None, None]], dim=-1)  # [1, 1, q, L + S]
-        hidden, bank = backend.step(query_tokens[None], positions, parent_states, keys, values, mask,
-                                    need_bank=step + 1 < config.depth)  # [1, q, d]
+        keys, values, mask = bank.attention_inputs(true_keys, true_values, num_queries)
+        hidden, new_bank = backend.step(query_tokens[None], positions, parent_states, keys, values, mask,
+                                        need_bank=not last)  # [1, q, d]
         log_q = torch.log_softmax(backend.logits(hidden)[0].float() * scale, dim=-1)  # [q, V]
         if sample:
             for row, node_id in enumerate(expanded_ids.tolist()):
-                draft_probs[node_id] = log_q[row].exp()
-        if step + 1 < config.depth and concatenate:
-            new_keys, new_values = bank  # [1, H_kv, q, hd] each: keys for the queries' descendants
-            first_slot = 0 if bank_keys is None else bank_keys.shape[-2]
-            bank_keys = new_keys if bank_keys is None else torch.cat([bank_keys, new_keys], dim=-2)
-            bank_values = new_values if bank_values is None else torch.cat([bank_values, new_values], dim=-2)
-            own = torch.zeros(num_queries, bank_keys.shape[-2], dtype=torch.bool, device=device)
-            own[torch.arange(num_queries, device=device), first_slot + torch.arange(num_queries, device=device)] = True
-            if query_bank_mask is not None:
-                own[:, :query_bank_mask.shape[-1]] |= query_bank_mask
-            visible_below = own  # row r: what children of the r-th query see
+                proposals.draft_probs[node_id] = log_q[row].exp()
+        if not last and concatenate:
+            bank.append(*new_bank)  # keys for the queries' descendants
 
         tokens, paths, scores = _propose_children(log_q, phi, perturbed, config.top_k, sample, generator)
-        count = tokens.numel()
-        ids = torch.arange(next_id, next_id + count, device=device)
-        next_id += count
-        node_tokens.append(tokens.reshape(-1))
-        node_parents.append(expanded_ids[:, None].expand_as(tokens).reshape(-1))
-        node_depths.append(torch.full((count,), step + 1, dtype=torch.long, device=device))
-        node_scores.append(scores.reshape(-1))
-        frontier = (ids, tokens.reshape(-1), paths.reshape(-1), scores.reshape(-1),
-                    torch.arange(num_queries, device=device)[:, None].expand_as(tokens).reshape(-1))
+        ids = proposals.add(tokens, expanded_ids, step + 1, scores)
         confident = int((paths >= config.log_min_confidence).sum())  # greedy: paths are the scores
-        if step + 1 == config.depth or confident == 0:
+        if last or confident == 0:
             break
         # Expand the best top_k of the newest depth (only confident ones: a child never beats its parent).
-        ids, toks, paths, scores, parent_rows = frontier
+        parent_rows = torch.arange(num_queries, device=device)[:, None].expand_as(tokens).reshape(-1)
+        tokens, paths, scores = tokens.reshape(-1), paths.reshape(-1), scores.reshape(-1)
         best = torch.topk(scores, min(config.top_k, confident)).indices.sort().values
-        expanded_ids, query_tokens = ids[best], toks[best]
+        expanded_ids, query_tokens = ids[best], tokens[best]
         phi, perturbed = paths[best], scores[best]
         parent_states = hidden[:, parent_rows[best]]  # [1, k, d]
         if concatenate:
-            query_bank_mask = visible_below[parent_rows[best]]
+            bank.expand(parent_rows[best])
 
-    return _select_nodes(node_tokens, node_parents, node_depths, node_scores, draft_probs, config.total_tokens,
-                         config.log_min_confidence)
+    return proposals.select(config.total_tokens, config.log_min_confidence)
 
 
 def _select_nodes(node_tokens, node_parents, node_depths, node_scores, draft_probs, total_tokens,
