@@ -1,7 +1,8 @@
 """Training data from feature stores: memory-mapped reads, token-budget batches, one-batch prefetch.
 
 The batch plan of an epoch depends only on (seed, epoch), so a resumed run can skip to the batch it
-stopped at without replaying anything. No Ray, no target model: just `pipeline.store.open_store`.
+stopped at without replaying anything. No Ray, no target model: just `pipeline.store.open_store`, read
+as tensors through `beagle.store_tensors`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.store import open_store
+from beagle.store_tensors import open_store
 
 log = logging.getLogger(__name__)
 

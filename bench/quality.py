@@ -27,7 +27,8 @@ from bench.acceptance import chain_acceptance  # noqa: E402
 from bench.common import cli, emit, record  # noqa: E402
 from beagle.data import StoreSet  # noqa: E402
 from beagle.export import load_drafter  # noqa: E402
-from pipeline.store import open_store, write_store  # noqa: E402
+from beagle.store_tensors import open_store  # noqa: E402
+from pipeline.extract.store_tensors import write_store  # noqa: E402
 
 
 def _bytes(url: str) -> int:

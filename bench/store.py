@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from pipeline.store import open_store, write_store
+from beagle.store_tensors import open_store
+from pipeline.extract.store_tensors import write_store
 
 
 def synthetic_samples(num_tokens: int, width: int, seed: int = 0):

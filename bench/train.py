@@ -23,7 +23,7 @@ from beagle.data import Batch, Loader, StoreSet, plan_epoch
 from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
 from bench.profiling import count_saved_bytes
-from pipeline.store import write_store
+from pipeline.extract.store_tensors import write_store
 
 PRESETS = {
     "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

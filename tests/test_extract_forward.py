@@ -8,8 +8,8 @@ import torch
 
 from pipeline.extract.actor import ShardExtractor
 from pipeline.extract.forward import ForwardConfig, TargetForward, normalize_layers, plan_batches, target_fingerprint
-from pipeline.store import (begin_store, commit_manifest, committed_shards, compute_dataset_id, open_store,
-                            store_identity)
+from beagle.store_tensors import open_store
+from pipeline.store import begin_store, commit_manifest, committed_shards, compute_dataset_id, store_identity
 from tests.tiny import build_target
 
 LENGTHS = [5, 17, 9, 30, 3, 17]
@@ -102,7 +102,7 @@ def test_shard_actor_works_without_ray_on_a_hand_built_batch(tmp_path, target, s
 def test_a_tied_lm_head_is_stored_as_its_own_tensor(tmp_path):
     from safetensors.torch import load_file
 
-    from pipeline.store import write_head
+    from pipeline.extract.store_tensors import write_head
     forward = TargetForward(ForwardConfig(str(build_target(tmp_path / "tied", tied=True)), dtype="float32"))
     head = forward.head()
     assert head["lm_head"].data_ptr() != head["embed_tokens"].data_ptr()

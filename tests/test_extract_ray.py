@@ -19,7 +19,8 @@ import torch
 from pipeline.extract.chat import load_tokenizer, tokenize_record
 from pipeline.extract.inputs import Record
 from pipeline.extract.pipeline import ExtractConfig, run_extract
-from pipeline.store import StoreConflictError, committed_shards, open_store, verify_store
+from beagle.store_tensors import open_store
+from pipeline.store import StoreConflictError, committed_shards, verify_store
 from tests.local_ray import local_ray
 from tests.tiny import build_target
 

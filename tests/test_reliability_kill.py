@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline.store import committed_shards, open_store, verify_store
+from beagle.store_tensors import open_store
+from pipeline.store import committed_shards, verify_store
 from tests.local_ray import local_ray
 from tests.tiny import build_target
 from tests.tiny_store import build_tiny_store

@@ -15,7 +15,9 @@ from click.testing import CliRunner
 
 from beagle.train_cli import train as train_command
 from pipeline.cli import main as cli_main
-from pipeline.store import StoreError, StoreFormatError, open_store, verify_store, write_store
+from beagle.store_tensors import open_store
+from pipeline.extract.store_tensors import write_store
+from pipeline.store import StoreError, StoreFormatError, verify_store
 from tests.tiny_store import _architecture, _sequences, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]

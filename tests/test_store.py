@@ -13,9 +13,10 @@ import pytest
 import torch
 import zarr
 
+from beagle.store_tensors import open_store
+from pipeline.extract.store_tensors import write_shard, write_store
 from pipeline.store import (StoreConflictError, StoreError, StoreFormatError, StoreNotFoundError, begin_store,
-                            committed_shards, compute_dataset_id, open_store, store_identity, verify_store,
-                            write_shard, write_store)
+                            committed_shards, compute_dataset_id, store_identity, verify_store)
 
 HIDDEN, VOCAB = 24, 50
 CLI = [sys.executable, "-c", "from pipeline.cli import main; main()"]

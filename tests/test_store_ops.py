@@ -9,7 +9,8 @@ import uuid
 import pytest
 import torch
 
-from pipeline.store import StoreConflictError, open_store, verify_store
+from beagle.store_tensors import open_store
+from pipeline.store import StoreConflictError, verify_store
 from pipeline.store import writer as store_writer
 from pipeline.store.merge import merge_stores
 from pipeline.store.writer import store_lock

@@ -74,7 +74,7 @@ class ShardExtractor:
 
     def _ensure_head(self) -> None:
         from pipeline.store import format as fmt
-        from pipeline.store import write_head
+        from pipeline.extract.store_tensors import write_head
 
         fs, root = fmt.open_fs(self.store_url)
         if not fs.exists(fmt.join(root, fmt.HEAD)):
@@ -82,7 +82,7 @@ class ShardExtractor:
         self._head_done = True
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from pipeline.store import write_shard
+        from pipeline.extract.store_tensors import write_shard
 
         infos, seconds, forward_seconds = [], [], []
         for shard_index, payload in zip(batch["shard_index"], batch["samples"]):

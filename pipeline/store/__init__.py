@@ -3,12 +3,12 @@ from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatErr
 from pipeline.store.format import SCHEMA_VERSION, compute_dataset_id
 from pipeline.store.reader import FeatureStore, open_store
 from pipeline.store.verify import VerifyReport, verify_store
-from pipeline.store.writer import (begin_store, commit_manifest, committed_shards, store_identity, write_head,
+from pipeline.store.writer import (begin_store, commit_manifest, committed_shards, store_identity, write_head_bytes,
                                    write_rejects, write_shard, write_store)
 
 __all__ = [
     "SCHEMA_VERSION", "FeatureStore", "StoreConflictError", "StoreError", "StoreFormatError",
     "StoreNotFoundError", "VerifyReport", "begin_store", "commit_manifest", "committed_shards",
-    "compute_dataset_id", "open_store", "store_identity", "verify_store", "write_head", "write_rejects",
+    "compute_dataset_id", "open_store", "store_identity", "verify_store", "write_head_bytes", "write_rejects",
     "write_shard", "write_store",
 ]

@@ -62,29 +62,21 @@ def storage_dtype(logical: str) -> np.dtype:
             f"unsupported hidden-state dtype {logical!r}; use one of {sorted(STORAGE_DTYPES)}") from None
 
 
-def to_storage_array(values: Any, logical: str) -> np.ndarray:
-    """Turn a torch tensor or numpy array into the exact bytes a store keeps for `logical` dtype.
+def to_storage_array(values: np.ndarray, logical: str) -> np.ndarray:
+    """Check and cast a numpy array to the exact bytes a store keeps for `logical` dtype.
 
-    torch tensors are handled by duck typing so this module never imports torch.
-    bf16 tensors become their uint16 bit pattern (bit-exact); numpy input for bf16 must already be uint16.
+    bf16 must arrive as its uint16 bit pattern (numpy has no bfloat16); the torch side
+    (`pipeline.extract.store_tensors`) makes that view, so the store itself never needs torch.
     """
     if logical in LOSSY_DTYPES:
         raise StoreFormatError(f"{logical} states are encoded with their scales by the writer, not here")
-    if hasattr(values, "detach"):  # a torch tensor
-        values = values.detach().cpu().contiguous()
-        if str(values.dtype) == "torch.bfloat16":
-            if logical != "bfloat16":
-                raise StoreFormatError(f"got bfloat16 hidden states for a {logical} store")
-            import torch  # only reached when the caller already uses torch
-            return values.view(torch.uint16).numpy()
-        values = values.numpy()
     array = np.asarray(values)
     want = storage_dtype(logical)
     if logical == "bfloat16":
         if array.dtype != np.uint16:
             raise StoreFormatError(
-                "bfloat16 hidden states given as numpy must be the uint16 bit pattern "
-                f"(got {array.dtype}); pass a torch bfloat16 tensor instead")
+                "bfloat16 hidden states must be given as the uint16 bit pattern "
+                f"(got {array.dtype}); write torch tensors through pipeline.extract.store_tensors")
         return array
     return array.astype(want, copy=False)
 

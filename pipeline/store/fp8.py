@@ -1,13 +1,12 @@
 """fp8 (e4m3) hidden states with one float32 scale per token: half the bytes of bf16, lossy.
 
 Stored bits follow the OCP float8 e4m3fn encoding (no infinities; 0x7F/0xFF are NaN). Decoding uses a
-256-entry table, so a reader needs numpy only; encoding rounds with torch, which the producer already has.
+256-entry table, so a reader needs numpy only. Encoding rounds with torch, which the producer already has, so it
+lives on the producer's side (`pipeline.extract.store_tensors.fp8_encode`): the store never imports torch.
 Per-token scales keep each token's largest value at the top of e4m3's range (448), so a few outlier
 dimensions cost precision only within their own token.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
@@ -26,16 +25,6 @@ def _decode_table() -> np.ndarray:
 
 
 DECODE_TABLE = _decode_table()
-
-
-def encode(states: Any) -> tuple[np.ndarray, np.ndarray]:
-    """states [..., L, d] (torch tensor, any float dtype) -> (codes uint8 [..., L, d], scales float32 [..., L])."""
-    import torch
-
-    values = torch.as_tensor(states).detach().cpu().float()
-    scales = values.abs().amax(dim=-1).clamp_min(1e-12) / E4M3_MAX  # [..., L]
-    codes = (values / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
-    return codes.numpy(), scales.numpy()
 
 
 def decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

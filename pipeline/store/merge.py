@@ -106,7 +106,7 @@ def _unique_samples(stores: list[FeatureStore], progress: Callable[[int], None] 
     seen: set[str] = set()
     for store in stores:
         for index in range(len(store)):
-            sample = store.get_numpy(index)
+            sample = store.get_numpy(index, decode=False)  # fp8 codes are copied, never re-encoded
             duplicate = sample["sample_id"] in seen
             seen.add(sample["sample_id"])
             if progress:
@@ -117,8 +117,13 @@ def _unique_samples(stores: list[FeatureStore], progress: Callable[[int], None] 
 def _write_or_reuse(out: str, index: int, batch: list[dict], reference: dict, done: dict[int, dict]) -> dict:
     if index in done:
         return done[index]
-    samples = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-                "hidden_states": np.stack([np.asarray(layer) for layer in s["hidden_states"]])} for s in batch]
+    samples = []
+    for s in batch:
+        sample = {"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+                  "hidden_states": np.stack([np.asarray(layer) for layer in s["hidden_states"]])}  # [n, L, d]
+        if "hidden_scales" in s:
+            sample["hidden_scales"] = np.stack([np.asarray(layer) for layer in s["hidden_scales"]])  # [n, L]
+        samples.append(sample)
     return write_shard(out, index, samples, layers=reference["capture"]["layers"], dtype=reference["dtype"])
 
 

@@ -115,24 +115,26 @@ class _Shard:
         mask_start = table["mask_offsets"][row]
         return table["input_ids"][start:end], table["loss_mask"][mask_start:mask_start + (end - start)]
 
-    def sample_numpy(self, row: int) -> dict[str, Any]:
+    def sample_numpy(self, row: int, *, decode: bool = True) -> dict[str, Any]:
         table = self.table
         input_ids, loss_mask = self.tokens_numpy(row)
         first = int(table["token_offset"][row])
         length = int(table["length"][row])
         hidden = [array[first:first + length] for array in self.hidden]  # [L, d] views (memmap) or reads
+        sample = {"sample_id": table["sample_id"][row], "input_ids": input_ids, "loss_mask": loss_mask}
         if self._store.dtype in fmt.LOSSY_DTYPES:
-            hidden = [fp8.decode(codes, scales[first:first + length]) for codes, scales in zip(hidden, self.scales)]
-        return {
-            "sample_id": table["sample_id"][row],
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "hidden_states": hidden,
-        }
+            scales = [layer_scales[first:first + length] for layer_scales in self.scales]  # [L] each
+            if not decode:
+                return {**sample, "hidden_states": hidden, "hidden_scales": scales}
+            hidden = [fp8.decode(codes, token_scales) for codes, token_scales in zip(hidden, scales)]
+        return {**sample, "hidden_states": hidden}
 
 
 class FeatureStore:
-    """A complete, read-only feature store. `store[i]` gives one sample as torch tensors."""
+    """A complete, read-only feature store. `store[i]` gives one sample as numpy arrays.
+
+    The store never imports torch; `beagle.store_tensors` gives the same samples and head as torch tensors.
+    """
 
     def __init__(self, url: str, *, check_files: bool = True, cache_dir: str | None = None,
                  verify: str = integrity.VERIFY_NONE):
@@ -211,11 +213,12 @@ class FeatureStore:
         shard = bisect.bisect_right(self._starts, index) - 1
         return self._shards[shard], index - self._starts[shard]
 
-    def get_numpy(self, index: int) -> dict[str, Any]:
-        """One sample without torch: hidden states as a list (one per layer) of [L, d] storage arrays
-        (uint16 bit patterns for bfloat16; float32 decoded values for float8_e4m3; see `dtype`)."""
+    def get_numpy(self, index: int, *, decode: bool = True) -> dict[str, Any]:
+        """One sample with hidden states as a list (one per layer) of [L, d] storage arrays (uint16 bit
+        patterns for bfloat16; float32 decoded values for float8_e4m3, see `dtype`). decode=False keeps
+        float8_e4m3 states as their uint8 codes, with `hidden_scales` (one [L] float32 array per layer)."""
         shard, row = self._locate(index)
-        return shard.sample_numpy(row)
+        return shard.sample_numpy(row, decode=decode)
 
     def get_tokens(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """input_ids [L] and loss_mask [L] of one sample without touching its hidden states (token counts)."""
@@ -223,42 +226,28 @@ class FeatureStore:
         return shard.tokens_numpy(row)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        """`sample_id`, `input_ids` [L] int64, `loss_mask` [L] bool, `hidden_states` [n_layers, L, d]."""
-        import torch
-
+        """`sample_id`, `input_ids` [L] int64, `loss_mask` [L] bool, `hidden_states` [n_layers, L, d] in the
+        storage dtype (uint16 bit patterns for bfloat16, float32 for float8_e4m3)."""
         sample = self.get_numpy(index)
-        layers = [_as_tensor(array, self.dtype) for array in sample["hidden_states"]]
+        layers = [np.asarray(array) for array in sample["hidden_states"]]  # zero-copy for a memmap slice
         # One layer: a zero-copy view of the memory map; several layers are stacked (one copy).
-        hidden = layers[0].unsqueeze(0) if len(layers) == 1 else torch.stack(layers)
+        hidden = layers[0][None] if len(layers) == 1 else np.stack(layers)
         return {
             "sample_id": sample["sample_id"],
-            "input_ids": torch.from_numpy(sample["input_ids"].astype(np.int64)),
-            "loss_mask": torch.from_numpy(sample["loss_mask"].astype(np.bool_)),
+            "input_ids": sample["input_ids"].astype(np.int64),
+            "loss_mask": sample["loss_mask"].astype(np.bool_),
             "hidden_states": hidden,
         }
 
-    def load_head(self) -> dict[str, Any]:
-        """The frozen target weights: `embed_tokens` and `lm_head`, each [V, d]."""
-        from safetensors.torch import load  # parses a JSON header and raw tensors: never executes code
-
+    def head_bytes(self) -> bytes:
+        """The bytes of `head.safetensors` (the frozen `embed_tokens` and `lm_head`, each [V, d]), checked
+        against the manifest's sha256 when the store was opened with verify; parse with safetensors."""
         with self.fs.open(fmt.join(self.root, fmt.HEAD), "rb") as handle:
             payload = handle.read()
         if self.verify != integrity.VERIFY_NONE:
             integrity.raise_first([integrity.bytes_problem(fmt.HEAD, payload, self.manifest["files"][fmt.HEAD])],
                                   self.url)
-        try:
-            return load(payload)
-        except Exception as error:  # safetensors raises its own error types for a damaged header
-            raise StoreFormatError(f"{self.url}/{fmt.HEAD} is not a valid safetensors file "
-                                   f"({type(error).__name__}: {error}); the store is damaged, rebuild it") from None
-
-
-def _as_tensor(array: Any, logical: str) -> Any:
-    import torch
-
-    values = np.asarray(array)  # zero-copy for a memmap slice
-    tensor = torch.from_numpy(values)
-    return tensor.view(torch.bfloat16) if logical == "bfloat16" else tensor
+        return payload
 
 
 def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = None,

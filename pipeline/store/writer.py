@@ -19,7 +19,6 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.store.file_lock import exclusive_lock
-from pipeline.store import fp8
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
 from pipeline.store.zarr_io import write_hidden_array, write_scale_array, zarr_store
@@ -95,8 +94,9 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
                 dtype: str, compression: str | None = None) -> dict:
     """Write one whole shard atomically and return its info (counts, bytes, sha256 of every file).
 
-    samples: dicts with `sample_id` (str), `input_ids` [L], `loss_mask` [L], `hidden_states`
-    [n_layers, L, d] (torch or numpy; bf16 as torch bfloat16 or numpy uint16 bit pattern).
+    samples: dicts of numpy arrays: `sample_id` (str), `input_ids` [L], `loss_mask` [L], `hidden_states`
+    [n_layers, L, d] in storage form (bf16 as its uint16 bit pattern; for float8_e4m3, the uint8 codes plus
+    `hidden_scales` float32 [n_layers, L]). Torch callers go through `pipeline.extract.store_tensors`.
     Safe to call from many processes at once as long as each shard index has one writer.
     """
     if not samples:
@@ -150,10 +150,10 @@ def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtyp
     width = None
     for position, sample in enumerate(samples):
         label = f"{where} sample {position} ({sample.get('sample_id')!r})"
-        tokens = np.asarray(_to_numpy(sample["input_ids"])).astype(np.int64, copy=False)
-        mask = np.asarray(_to_numpy(sample["loss_mask"])).astype(np.uint8, copy=False)
+        tokens = np.asarray(sample["input_ids"]).astype(np.int64, copy=False)
+        mask = np.asarray(sample["loss_mask"]).astype(np.uint8, copy=False)
         if dtype in fmt.LOSSY_DTYPES:
-            states, token_scales = fp8.encode(sample["hidden_states"])  # [n_layers, L, d] u8, [n_layers, L]
+            states, token_scales = _fp8_arrays(sample, label)  # [n_layers, L, d] u8, [n_layers, L]
             scales.append(token_scales)
         else:
             states = fmt.to_storage_array(sample["hidden_states"], dtype)
@@ -198,8 +198,18 @@ def _list_array(parts: list[np.ndarray], value_type: pa.DataType) -> pa.ListArra
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, value_type))
 
 
-def _to_numpy(values: Any) -> np.ndarray:
-    return values.detach().cpu().numpy() if hasattr(values, "detach") else np.asarray(values)
+def _fp8_arrays(sample: Mapping[str, Any], label: str) -> tuple[np.ndarray, np.ndarray]:
+    """The e4m3 codes and per-token scales of an already encoded fp8 sample."""
+    if "hidden_scales" not in sample:
+        raise StoreFormatError(f"{label}: float8_e4m3 samples need `hidden_scales` beside the uint8 codes; "
+                               "encode them with pipeline.extract.store_tensors.fp8_encode")
+    codes = np.asarray(sample["hidden_states"])
+    if codes.dtype != np.uint8:
+        raise StoreFormatError(f"{label}: float8_e4m3 hidden_states must be uint8 e4m3 codes, got {codes.dtype}")
+    scales = np.asarray(sample["hidden_scales"], dtype=np.float32)
+    if scales.shape != codes.shape[:-1]:
+        raise StoreFormatError(f"{label}: hidden_scales {list(scales.shape)} must be {list(codes.shape[:-1])}")
+    return codes, scales
 
 
 def committed_shards(url: str) -> dict[int, dict]:
@@ -224,18 +234,13 @@ def committed_shards(url: str) -> dict[int, dict]:
     return found
 
 
-def write_head(url: str, *, embed_tokens: Any, lm_head: Any) -> None:
-    """Store the frozen target weights the drafter reuses ([V, d] each), so training never loads the target."""
-    from safetensors.torch import save  # the caller holds torch tensors; the file itself is torch-free
+def write_head_bytes(url: str, payload: bytes) -> None:
+    """Store the frozen target weights the drafter reuses, as the bytes of a safetensors file.
 
+    The torch side serialises them (`pipeline.extract.store_tensors.write_head`), so the store stays
+    torch-free while the file keeps its format (docs/store-format.md)."""
     fs, root = fmt.open_fs(url)
-    if tuple(embed_tokens.shape) != tuple(lm_head.shape):
-        raise StoreFormatError(f"embed_tokens {tuple(embed_tokens.shape)} and lm_head {tuple(lm_head.shape)} "
-                               "must both be [vocab, hidden]")
-    # clone(): tied models (SmolLM2, Qwen2.5, Llama-3.2) share one matrix, which safetensors refuses.
-    payload = save({"embed_tokens": embed_tokens.detach().cpu().clone().contiguous(),
-                    "lm_head": lm_head.detach().cpu().clone().contiguous()})
-    _write_bytes_atomic(fs, fmt.join(root, fmt.HEAD), payload)
+    _write_bytes_atomic(fs, fmt.join(root, fmt.HEAD), bytes(payload))
 
 
 def write_rejects(url: str, rejects: list[Mapping[str, Any]]) -> None:
@@ -261,7 +266,7 @@ def commit_manifest(url: str, *, dataset_id: str, target: dict, tokenizer: dict,
     if len(widths) > 1:
         raise StoreFormatError(f"{url}: shards disagree on hidden size: {sorted(widths)}")
     if not fs.exists(fmt.join(root, fmt.HEAD)):
-        raise StoreError(f"{url}: {fmt.HEAD} is missing; call write_head() before commit_manifest()")
+        raise StoreError(f"{url}: {fmt.HEAD} is missing; call write_head_bytes() before commit_manifest()")
     files = {fmt.HEAD: _file_entry(fs, root, fmt.HEAD)}
     if fs.exists(fmt.join(root, fmt.REJECTS)):
         files[fmt.REJECTS] = _file_entry(fs, root, fmt.REJECTS)
@@ -289,12 +294,13 @@ def commit_manifest(url: str, *, dataset_id: str, target: dict, tokenizer: dict,
     return manifest
 
 
-def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: Mapping[str, Any], target: dict,
+def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: bytes, target: dict,
                 tokenizer: dict, capture: dict, source: dict, rejects: list[Mapping[str, Any]] | None = None,
                 samples_per_shard: int = 1024, overwrite: bool = False, compression: str | None = None) -> dict:
     """Write a whole store in one process: shards of `samples_per_shard`, head, rejects, manifest.
 
-    The convenience path for tests, tools and small jobs; extraction uses the same pieces in parallel.
+    samples as for `write_shard`; head: the safetensors bytes of `write_head_bytes`. The convenience path
+    for tests, tools and small jobs; extraction uses the same pieces in parallel.
     """
     with store_lock(url):
         identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
@@ -306,7 +312,7 @@ def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: Mapping
         for batch in _batched(samples, samples_per_shard):
             shards.append(write_shard(url, len(shards), batch, layers=capture["layers"], dtype=capture["dtype"],
                                       compression=compression))
-        write_head(url, embed_tokens=head["embed_tokens"], lm_head=head["lm_head"])
+        write_head_bytes(url, head)
         rejected = Counter(str(r.get("reason", "unknown")) for r in rejects or [])
         if rejects:
             write_rejects(url, rejects)
