@@ -143,16 +143,17 @@ class StepStats:
 
 
 def step_stats(result: Any, tokens: int, ctx: DistContext) -> StepStats:
-    """The global batch's loss terms, accuracy counts and tokens (sums over ranks) for metrics."""
+    """The global batch's loss terms, accuracy counts and tokens (sums over ranks) for metrics.
+
+    The step's one host synchronisation: everything is gathered into one tensor first."""
     device = result.loss.device
-    losses = torch.stack([result.loss.detach(), result.token_loss.detach(),
-                          result.regression_loss.detach()]).double().cpu()
-    counts = torch.tensor([*result.correct, *result.count, tokens], dtype=torch.float64)
+    values = torch.cat([
+        torch.stack([result.loss.detach(), result.token_loss.detach(), result.regression_loss.detach()]).double(),
+        result.correct.double(), result.count.double(),
+        torch.tensor([tokens], dtype=torch.float64, device=device)])                   # [3 + 2k + 1]
     if ctx.enabled:
-        both = torch.cat([losses, counts]).to(device)
-        dist.all_reduce(both)
-        both = both.cpu()
-        losses, counts = both[:3], both[3:]
-    k = len(result.correct)
-    ints = [int(round(float(c))) for c in counts]
-    return StepStats(float(losses[0]), float(losses[1]), float(losses[2]), ints[:k], ints[k:2 * k], ints[-1])
+        dist.all_reduce(values)
+    values = values.cpu().tolist()
+    k = result.correct.numel()
+    ints = [int(round(c)) for c in values[3:]]
+    return StepStats(values[0], values[1], values[2], ints[:k], ints[k:2 * k], ints[-1])

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from beagle.data import Batch
-from beagle.losses import LossResult, drafter_loss
+from beagle.losses import LossSums, drafter_loss_sums
 from beagle.model import DrafterConfig, RMSNorm, SwiGLU, _SDPA_HAS_GQA, loss_head, register_frozen_head, rotary
 
 DRAFTER_TYPE = "eagle2"
-# EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; drafter_loss returns CE + regression_weight·SmoothL1 (10 by default).
+# EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; our losses are CE + regression_weight·SmoothL1 (10 by default).
 LOSS_SCALE = 0.1
 
 
@@ -167,7 +167,7 @@ def uniform_noise(batch: Batch, width: float, generator: torch.Generator | None)
 
 
 def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, generator: torch.Generator | None = None
-                ) -> LossResult:
+                ) -> LossSums:
     """The EAGLE-2 training loss, with the trainer's stage-loss signature (offset unused: no windows).
 
     LOSS_SCALE · (CE + regression_weight · SmoothL1) = 1.0·SmoothL1 + 0.1·CE at the default weight 10."""
@@ -177,8 +177,7 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
     weight = torch.zeros(B, L, device=hidden.device)
     weight[:, 1:-1] = batch.loss_mask[:, 2:].float()    # row p predicts t_{p+1}; row 0 has no state
     depths = torch.ones(B * L, dtype=torch.long, device=hidden.device)
-    result = drafter_loss(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1), depths,
-                          loss_head(model), num_depths=1, depth_weights=None,
-                          regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)
-    return LossResult(LOSS_SCALE * result.loss, result.token_loss, result.regression_loss,
-                      result.correct, result.count)
+    return drafter_loss_sums(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1), depths,
+                             loss_head(model), num_depths=1, depth_weights=None,
+                             regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk,
+                             scale=LOSS_SCALE)

@@ -8,22 +8,25 @@ Why a custom autograd function: with V ~ 50k the logits dominate both time and m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from beagle.distributed import global_sum
 
+def _matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the head matmuls run in: autocast's (bf16 training) where it is on, else x's own.
 
-# Under CUDA autocast, run backward with the same autocast state as forward (bf16 matmuls).
-_custom_fwd = torch.amp.custom_fwd(device_type="cuda")
-_custom_bwd = torch.amp.custom_bwd(device_type="cuda")
+    Chosen explicitly and saved for backward, which runs outside autocast on every device type."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
 
 
 class _ChunkedSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    @_custom_fwd
     def forward(ctx, hidden: Tensor, target_hidden: Tensor, weight: Tensor, chunk: int):  # type: ignore[override]
         N = hidden.shape[0]
         dev = hidden.device
@@ -33,11 +36,12 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         a_t = torch.zeros(N, device=dev)                            # Σ exp(t - m_t) · z
         best_q, arg_q = neg_inf.clone(), torch.zeros(N, dtype=torch.long, device=dev)
         best_t, arg_t = neg_inf.clone(), torch.zeros(N, dtype=torch.long, device=dev)
-        mm_dtype = hidden.dtype
+        mm_dtype = _matmul_dtype(hidden)
+        hidden_mm, target_mm = hidden.to(mm_dtype), target_hidden.to(mm_dtype)          # [N, d] each
         for start in range(0, weight.shape[0], chunk):
-            w = weight[start:start + chunk].to(mm_dtype)                               # [C, d]
-            z = (hidden @ w.T).float()                                                 # [N, C]
-            t = (target_hidden.to(mm_dtype) @ w.T).float()                             # [N, C]
+            w = weight[start:start + chunk].to(mm_dtype)                               # [C, d]; no copy if already
+            z = (hidden_mm @ w.T).float()                                              # [N, C]
+            t = (target_mm @ w.T).float()                                              # [N, C]
             zmax, zarg = z.max(dim=1)
             tmax, targ = t.max(dim=1)
             new_m_q = torch.maximum(m_q, zmax)
@@ -56,20 +60,20 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         lse_t = m_t + torch.log(s_t)
         loss = lse_q - a_t / s_t                                                       # [N]
         ctx.save_for_backward(hidden, target_hidden, weight, lse_q, lse_t)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.mm_dtype = chunk, mm_dtype
         ctx.mark_non_differentiable(arg_q, arg_t)
         return loss, arg_q, arg_t
 
     @staticmethod
-    @_custom_bwd
     def backward(ctx, grad_loss: Tensor, _g1, _g2):  # type: ignore[override]
         hidden, target_hidden, weight, lse_q, lse_t = ctx.saved_tensors
-        mm_dtype = hidden.dtype
+        mm_dtype = ctx.mm_dtype
+        hidden_mm, target_mm = hidden.to(mm_dtype), target_hidden.to(mm_dtype)          # [N, d] each
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         for start in range(0, weight.shape[0], ctx.chunk):
             w = weight[start:start + ctx.chunk].to(mm_dtype)                           # [C, d]
-            q = torch.exp((hidden @ w.T).float() - lse_q[:, None])                     # [N, C]
-            p = torch.exp((target_hidden.to(mm_dtype) @ w.T).float() - lse_t[:, None])
+            q = torch.exp((hidden_mm @ w.T).float() - lse_q[:, None])                  # [N, C]
+            p = torch.exp((target_mm @ w.T).float() - lse_t[:, None])
             grad_hidden += ((q - p) * grad_loss[:, None]).to(mm_dtype) @ w
         return grad_hidden.to(hidden.dtype), None, None, None
 
@@ -92,11 +96,11 @@ def regression_loss(hidden: Tensor, target_hidden: Tensor) -> Tensor:
 
 @dataclass
 class LossResult:
-    loss: Tensor                # what is optimised: token_loss + regression_weight * regression_loss
+    loss: Tensor                # what is optimised: token_loss + regression_weight * regression_loss (scaled)
     token_loss: Tensor
     regression_loss: Tensor
-    correct: list[int]          # per depth 1..k: draft top-1 == target top-1 on loss rows
-    count: list[int]            # per depth: loss rows
+    correct: Tensor             # [k] long, per depth 1..k: draft top-1 == target top-1 on loss rows
+    count: Tensor               # [k] long, per depth: loss rows
 
 
 def beta_weights(simulation_steps: int) -> list[float]:
@@ -146,18 +150,34 @@ def depth_scale(global_weight: Tensor, depth_weights: list[float] | None) -> Ten
     return torch.tensor(betas, device=global_weight.device) / global_weight.clamp_min(1e-12)
 
 
-def combine(sums: DepthSums, scale: Tensor, regression_weight: float) -> LossResult:
-    """The loss of per-depth sums already scaled by `depth_scale`."""
-    token, regression = (sums.token * scale).sum(), (sums.regression * scale).sum()
-    return LossResult(token + regression_weight * regression, token, regression,
-                      sums.correct.tolist(), sums.count.tolist())
+@dataclass
+class LossSums:
+    """What a stage's loss function returns: per-depth sums over this worker's rows, and how they
+    become the loss.
+
+    Why sums and not a loss: the loss is a weighted mean over the *global* batch, whose row weights only
+    the trainer can gather (an all-reduce under data parallelism). Loss functions stay free of
+    communication; `finish` normalises in one place."""
+
+    sums: DepthSums
+    depth_weights: list[float] | None   # None: one weighted mean over all rows; else β_j per depth
+    regression_weight: float
+    scale: float = 1.0                  # a constant factor on the optimised loss (EAGLE-2's 0.1)
+
+    def finish(self, total: Callable[[Tensor], Tensor] | None = None) -> LossResult:
+        """The loss, normalised by the row weights per depth; `total` sums them over workers
+        (`beagle.distributed.global_sum` under DDP; one process needs none)."""
+        weight = self.sums.weight if total is None else total(self.sums.weight)
+        scale = depth_scale(weight, self.depth_weights)                                  # [k]
+        token, regression = (self.sums.token * scale).sum(), (self.sums.regression * scale).sum()
+        loss = self.scale * (token + self.regression_weight * regression)
+        return LossResult(loss, token, regression, self.sums.correct, self.sums.count)
 
 
-def drafter_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
-                 num_depths: int, depth_weights: list[float] | None, regression_weight: float,
-                 chunk_size: int) -> LossResult:
-    """Loss over rows: hidden/target_hidden [N, d], weight [N] (0 drops a row), depth [N] in 1..k,
-    normalised as `depth_scale` says."""
+def drafter_loss_sums(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
+                      num_depths: int, depth_weights: list[float] | None, regression_weight: float,
+                      chunk_size: int, scale: float = 1.0) -> LossSums:
+    """Loss sums over rows: hidden/target_hidden [N, d], weight [N] (0 drops a row), depth [N] in 1..k,
+    to be normalised as `depth_scale` says."""
     sums = depth_sums(hidden, target_hidden, weight, depth, lm_head, num_depths=num_depths, chunk_size=chunk_size)
-    # Data parallel: normalise by the global batch's weights, so per-rank losses add up.
-    return combine(sums, depth_scale(global_sum(sums.weight), depth_weights), regression_weight)
+    return LossSums(sums, depth_weights, regression_weight, scale)

@@ -14,14 +14,17 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from beagle.data import Batch
-from beagle.distributed import global_sum
-from beagle.losses import DepthSums, LossResult, beta_weights, combine, depth_scale, depth_sums, drafter_loss
+from beagle.losses import DepthSums, LossSums, beta_weights, depth_sums, drafter_loss_sums
 from beagle.masks import depth, depth_positions, stage1_mask, stage2_mask, window_index
 from beagle.model import BeagleDrafter, loss_head
+from beagle.train_config import TrainConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageSettings:
+    """What the stage losses need of a run's configuration. Keyword-only: several fields are floats or
+    ints that would swap silently if filled by position. The trainer builds it in `from_config`."""
+
     window_size: int
     simulation_steps: int
     noise_std: float            # absolute std (already multiplied by the states' RMS)
@@ -29,6 +32,14 @@ class StageSettings:
     vocab_chunk: int
     detach_feedback: bool = False
     recompute: bool = True      # activation checkpointing per stage-2 step (flat memory)
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, state_rms: float) -> "StageSettings":
+        """The settings of a training run; `state_rms` turns the relative noise into an absolute std."""
+        return cls(window_size=config.window_size, simulation_steps=config.simulation_steps,
+                   noise_std=config.noise_std * state_rms, regression_weight=config.regression_weight,
+                   vocab_chunk=config.vocab_chunk, detach_feedback=config.detach_feedback,
+                   recompute=config.stage2_recompute)
 
 
 def _row_weights(batch: Batch, offset: int, window_size: int) -> Tensor:
@@ -55,7 +66,7 @@ def noisy_keys(model: BeagleDrafter, batch: Batch, noise_std: float,
 
 
 def stage1_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
-                generator: torch.Generator | None = None) -> LossResult:
+                generator: torch.Generator | None = None) -> LossSums:
     """Block attention: every position is a query once, seeing only true keys of earlier windows."""
     B, L, d = batch.hidden.shape
     dev = batch.hidden.device
@@ -65,10 +76,10 @@ def stage1_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
     hidden = model.forward_hidden(batch.input_ids, positions, k_true, v_true, mask)  # [B, L, d]
     weight = _row_weights(batch, offset, settings.window_size)
     depths = depth(torch.arange(L, device=dev), settings.window_size, offset).expand(B, L)
-    return drafter_loss(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1),
-                        depths.reshape(-1), loss_head(model), num_depths=settings.window_size,
-                        depth_weights=None, regression_weight=settings.regression_weight,
-                        chunk_size=settings.vocab_chunk)
+    return drafter_loss_sums(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1),
+                             depths.reshape(-1), loss_head(model), num_depths=settings.window_size,
+                             depth_weights=None, regression_weight=settings.regression_weight,
+                             chunk_size=settings.vocab_chunk)
 
 
 StepReduce = Callable[[int, Tensor, Tensor], tuple[Tensor, ...]]
@@ -151,18 +162,17 @@ class _SimulationStep:
 
 
 def stage2_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
-                generator: torch.Generator | None = None) -> LossResult:
-    """Stage-2 loss: each simulated depth's mean loss weighted by its normalised β_j.
+                generator: torch.Generator | None = None) -> LossSums:
+    """Stage-2 loss sums: each simulated depth's mean loss, to be weighted by its normalised β_j.
 
-    Each step's loss is computed inside its (recomputed) block, against denominators fixed up front
-    from the loss mask, so no step keeps its draft states for backward."""
+    Each step's loss sums are computed inside its (recomputed) block, against per-depth row weights
+    fixed up front from the loss mask, so no step keeps its draft states for backward."""
     B, L, d = batch.hidden.shape
     k = settings.window_size
     weight_all = _row_weights(batch, offset, k)                                 # [B, L]
     weight_sum = torch.zeros(k, device=weight_all.device)
     for step in range(1, min(settings.simulation_steps, k) + 1):
         weight_sum[step - 1] = weight_all[:, depth_positions(L, k, offset, step, weight_all.device)].sum()
-    scale = depth_scale(global_sum(weight_sum), beta_weights(settings.simulation_steps))  # [k]
 
     def step_loss(step: int, q_pos: Tensor, hidden: Tensor) -> tuple[Tensor, ...]:
         sums = depth_sums(hidden.reshape(-1, d), batch.hidden[:, q_pos].reshape(-1, d),
@@ -173,4 +183,5 @@ def stage2_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
 
     steps = simulate(model, batch, offset, settings, generator, reduce=step_loss)
     token, regression, correct, count = (sum(parts) for parts in zip(*(r for _, _, r in steps)))
-    return combine(DepthSums(token, regression, weight_sum, correct, count), scale, settings.regression_weight)
+    return LossSums(DepthSums(token, regression, weight_sum, correct, count), beta_weights(settings.simulation_steps),
+                    settings.regression_weight)

@@ -42,7 +42,7 @@ class TrainConfig:
     # runtime
     seed: int = 0
     device: str = "auto"                  # auto | cpu | cuda | cuda:N
-    bf16: bool = True                     # bf16 autocast on GPU (CPU always trains in fp32)
+    bf16: bool | None = None              # bf16 autocast; None: where the hardware runs it fast (beagle/precision.py)
     checkpoint_every: int = 500
     rms_samples: int = 64                 # samples read to measure the states' RMS for the noise
 

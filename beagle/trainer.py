@@ -1,4 +1,4 @@
-"""The training loop: stage 1 epochs, then stage 2 epochs, one AdamW over both (spec §4).
+"""The training loop: stage 1 epochs, then stage 2 epochs, one AdamW over both (docs/method.md).
 
 Reads stores by memory map (beagle.data), never Ray, never the target model. Writes under RUN/:
 run_config.json, metrics.jsonl (one line per step), checkpoints/, drafter/ (the export), curves.png.
@@ -20,7 +20,9 @@ from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
 from beagle.eagle2 import Eagle2Drafter, eagle2_loss
 from beagle.export import save_drafter
-from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
+from beagle.losses import LossSums
+from beagle.model import BeagleDrafter, DrafterConfig, loss_head, restrict_loss_vocabulary
+from beagle.precision import autocast, training_dtype
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
 from beagle.train_config import TrainConfig
 
@@ -99,26 +101,85 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
     Under torchrun or Ray Train every rank calls this; DDP over disjoint slices of each global batch
     (beagle.distributed), and only rank 0 writes run files and calls `on_step`."""
     with distributed.session(config.device) as ctx:
-        return _train(stores, Path(run_dir), config, resume=resume, on_step=on_step if ctx.is_main else None,
-                      draw_curves=draw_curves, cache_dir=cache_dir, ctx=ctx, verify_store=verify_store)
+        run = _start_run(stores, Path(run_dir), config, resume=resume, cache_dir=cache_dir, ctx=ctx,
+                         verify_store=verify_store)
+        position = _train_epochs(run, on_step if ctx.is_main else None)
+        if ctx.is_main:
+            _finish_run(run, position, draw_curves)
+        return TrainResult(run.run_dir, run.step, run.last_metrics)
 
 
-def _train(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: bool,
-           on_step: Callable[[dict[str, Any], int], None] | None, draw_curves: bool, cache_dir: str | None,
-           ctx: distributed.DistContext, verify_store: bool = True) -> TrainResult:
+@dataclass
+class _Run:
+    """Everything one training run holds between its named steps."""
+
+    run_dir: Path
+    config: TrainConfig
+    ctx: distributed.DistContext
+    data: StoreSet
+    device: torch.device
+    dtype: torch.dtype                  # autocast dtype of the steps (fp32: autocast off)
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator
+    settings: StageSettings
+    draft_tokens: torch.Tensor | None
+    plans: list[list]                   # batch plan of each epoch
+    total_steps: int
+    step: int = 0
+    start: tuple[int, int] = (0, 0)     # (epoch, batch) to continue from
+    last_saved: int = -1
+    last_metrics: dict[str, Any] | None = None
+
+
+def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: bool, cache_dir: str | None,
+               ctx: distributed.DistContext, verify_store: bool) -> _Run:
+    """Open the stores, check or create the run directory, build the drafter and its optimizer, and
+    restore the latest checkpoint when resuming."""
     data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store)
     checkpoint = latest_checkpoint(run_dir) if resume else None
+    config = _check_run_dir(run_dir, config, data, resume=resume, checkpoint=checkpoint)
+    distributed.barrier(ctx)  # every rank has checked run_dir before rank 0 writes into it
+    device = distributed.rank_device(pick_device(config.device), ctx)
+    dtype = training_dtype(device, config.bf16)
+    model, drafter_config, draft_tokens = _build_drafter(data, config, device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                  weight_decay=config.weight_decay)
+    state_rms = data.state_rms(config.rms_samples, config.sequence_limit)
+    if ctx.is_main:
+        _write_run_config(run_dir, config, data, drafter_config, state_rms, dtype)
+    plans = [plan_epoch(data.lengths, batch_tokens=config.batch_tokens, limit=config.sequence_limit,
+                        seed=config.seed, epoch=e) for e in range(len(_phases(config)))]
+    total = sum(len(p) for p in plans)
+    run = _Run(run_dir, config, ctx, data, device, dtype, model, optimizer,
+               torch.Generator(device=device).manual_seed(config.seed), StageSettings.from_config(config, state_rms),
+               draft_tokens, plans, total if config.max_steps is None else min(total, config.max_steps))
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, generator=run.generator)
+        run.step = run.last_saved = state["step"]
+        run.start = (state["position"]["epoch"], state["position"]["batch"])
+        if ctx.is_main:
+            _trim_metrics(run_dir / METRICS, run.step)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", checkpoint, run.step, *run.start)
+    return run
+
+
+def _check_run_dir(run_dir: Path, config: TrainConfig, data: StoreSet, *, resume: bool,
+                   checkpoint: Path | None) -> TrainConfig:
     if resume and checkpoint is None:
         raise ValueError(f"--resume given but {run_dir}/checkpoints holds no complete checkpoint; "
                          "drop --resume to start a new run")
     if not resume and (run_dir / RUN_CONFIG).exists():
         raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
     if resume:
-        config = _check_resume(run_dir, json.loads((run_dir / RUN_CONFIG).read_text()), data, config)
+        return _check_resume(run_dir, json.loads((run_dir / RUN_CONFIG).read_text()), data, config)
+    return config
 
-    distributed.barrier(ctx)  # every rank has checked run_dir before rank 0 writes into it
-    device = distributed.rank_device(pick_device(config.device), ctx)
-    autocast = device.type == "cuda" and config.bf16
+
+def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[torch.nn.Module, DrafterConfig, torch.Tensor | None]:
+    """The drafter on `device` with the target's frozen head, seeded; its loss head is restricted to
+    the draft vocabulary when one is asked for, and kept once in the training dtype."""
     drafter_config = DrafterConfig.from_architecture(data.target["architecture"])
     if data.hidden_size != drafter_config.hidden_size:
         raise ValueError(f"store hidden_size {data.hidden_size} != target architecture hidden_size "
@@ -130,107 +191,119 @@ def _train(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: boo
     draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size)
     if draft_tokens is not None:
         restrict_loss_vocabulary(model, draft_tokens)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
-                                  weight_decay=config.weight_decay)
-    generator = torch.Generator(device=device).manual_seed(config.seed)
+    if dtype != torch.float32:  # frozen: one copy in the matmul dtype instead of a cast per chunk per step
+        model.register_buffer("loss_head", loss_head(model).to(dtype), persistent=False)
+    return model, drafter_config, draft_tokens
 
-    limit = config.sequence_limit
-    state_rms = data.state_rms(config.rms_samples, limit)
+
+def _write_run_config(run_dir: Path, config: TrainConfig, data: StoreSet, drafter_config: DrafterConfig,
+                      state_rms: float, dtype: torch.dtype) -> None:
     run_info = {
         "config": config.to_dict(), "stores": data.urls, "dataset_ids": data.dataset_ids,
         "target": fingerprint(data.target), "drafter": drafter_config.to_dict(),
         "state_rms": state_rms, "noise_std_relative": config.noise_std,
-        "noise_std_absolute": config.noise_std * state_rms,
+        "noise_std_absolute": config.noise_std * state_rms, "precision": str(dtype).removeprefix("torch."),
     }
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / RUN_CONFIG).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
-    settings = StageSettings(config.window_size, config.simulation_steps, config.noise_std * state_rms,
-                             config.regression_weight, config.vocab_chunk, config.detach_feedback,
-                             config.stage2_recompute)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_CONFIG).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
 
-    step, phase, start_batch = 0, 0, 0
-    if checkpoint is not None:
-        state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, generator=generator)
-        step, phase, start_batch = state["step"], state["position"]["epoch"], state["position"]["batch"]
-        if ctx.is_main:
-            _trim_metrics(run_dir / METRICS, step)
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", checkpoint, step, phase, start_batch)
 
-    phases = _phases(config)
-    plans = [plan_epoch(data.lengths, batch_tokens=config.batch_tokens, limit=limit, seed=config.seed, epoch=e)
-             for e in range(len(phases))]
-    total = sum(len(p) for p in plans)
-    if config.max_steps is not None:
-        total = min(total, config.max_steps)
-    last: dict[str, Any] | None = None
-    last_saved = step if checkpoint is not None else -1
+def _stage_loss(config: TrainConfig, stage: int) -> Callable[..., LossSums]:
+    if config.drafter == "eagle2":  # one teacher-forced loss for every epoch (docs/method.md, EAGLE-2 baseline)
+        return eagle2_loss
+    return stage1_loss if stage == 1 else stage2_loss
 
-    def lr_at(s: int) -> float:
-        return config.lr * min(1.0, (s + 1) / config.warmup_steps) if config.warmup_steps else config.lr
 
-    model.train()
-    run_loss = distributed.loss_runner(model, ctx)
-    position = {"epoch": phase, "batch": start_batch}
-    metrics_cm = (run_dir / METRICS).open("a", encoding="utf-8") if ctx.is_main else contextlib.nullcontext()
+def _train_epochs(run: _Run, on_step: Callable[[dict[str, Any], int], None] | None) -> tuple[int, int]:
+    """Run the epochs from `run.start` until the plan or `max_steps` ends; returns the (epoch, batch)
+    position a checkpoint resumes from."""
+    phases = _phases(run.config)
+    run_loss = distributed.loss_runner(run.model, run.ctx)
+    position, start_batch = run.start, run.start[1]
+    run.model.train()
+    metrics_cm = (run.run_dir / METRICS).open("a", encoding="utf-8") if run.ctx.is_main else contextlib.nullcontext()
     with metrics_cm as metrics_file:
-        while position["epoch"] < len(phases) and step < total:
-            phase = position["epoch"]
-            stage = phases[phase]
-            loss_fn = stage1_loss if stage == 1 else stage2_loss
-            if config.drafter == "eagle2":  # one teacher-forced loss for every epoch (spec §7)
-                loss_fn = eagle2_loss
-            position = {"epoch": phase + 1, "batch": 0}  # where to go if this epoch has no batch left
-            for batch_index, batch, wait in Loader(data, plans[phase], limit=limit, start=start_batch,
-                                                   shard=(ctx.rank, ctx.world_size)):
-                if step >= total:
-                    position = {"epoch": phase, "batch": batch_index}
+        while position[0] < len(phases) and run.step < run.total_steps:
+            epoch = position[0]
+            loss_fn = _stage_loss(run.config, phases[epoch])
+            position = (epoch + 1, 0)  # where to go if this epoch has no batch left
+            for batch_index, batch, wait in Loader(run.data, run.plans[epoch], limit=run.config.sequence_limit,
+                                                   start=start_batch, shard=(run.ctx.rank, run.ctx.world_size)):
+                if run.step >= run.total_steps:
+                    position = (epoch, batch_index)
                     break
-                t0 = time.perf_counter()
-                batch = batch.to(device)
-                offset = int(torch.randint(config.window_size, (1,), generator=generator, device=device))
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(step)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    result = run_loss(loss_fn, batch, offset, settings, generator)
-                optimizer.zero_grad(set_to_none=True)
-                (result.loss * ctx.world_size).backward()  # DDP averages gradients over ranks
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-                optimizer.step()
-                step += 1
-                done = batch_index + 1 == len(plans[phase])
-                position = {"epoch": phase + 1, "batch": 0} if done else {"epoch": phase, "batch": batch_index + 1}
-                stats = distributed.step_stats(result, batch.tokens, ctx)  # the global batch's
-                compute = time.perf_counter() - t0
-                last = {
-                    "step": step, "stage": stage, "epoch": phase, "loss": stats.loss,
-                    "token_loss": stats.token_loss, "regression_loss": stats.regression_loss,
-                    "accuracy": [c / n if n else None for c, n in zip(stats.correct, stats.count)],
-                    "rows": stats.count, "tokens": stats.tokens, "lr": lr_at(step - 1),
-                    "grad_norm": float(grad_norm), "tokens_per_s": stats.tokens / max(compute + wait, 1e-9),
-                    "data_wait_fraction": wait / max(compute + wait, 1e-9),
-                }
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps(last) + "\n")
-                    metrics_file.flush()
-                if on_step is not None:
-                    on_step(last, total)
-                if ctx.is_main and (step % config.checkpoint_every == 0 or step == total):
-                    save_checkpoint(run_dir, step=step, model=model, optimizer=optimizer, generator=generator,
-                                    position=position)
-                    last_saved = step
+                done = batch_index + 1 == len(run.plans[epoch])
+                position = (epoch + 1, 0) if done else (epoch, batch_index + 1)
+                metrics = _optimizer_step(run, run_loss, loss_fn, batch, wait, stage=phases[epoch], epoch=epoch)
+                _log_step(run, metrics, metrics_file, on_step, position)
             start_batch = 0
-    if not ctx.is_main:
-        return TrainResult(run_dir, step, last)
-    if last_saved != step:
-        save_checkpoint(run_dir, step=step, model=model, optimizer=optimizer, generator=generator,
-                        position=position)
-    save_drafter(run_dir / "drafter", model, metadata={
-        "dataset_ids": data.dataset_ids, "stores": data.urls, "target": fingerprint(data.target),
-        "train_steps": step, "window_size": config.window_size, "simulation_steps": config.simulation_steps,
-        **({} if draft_tokens is None else {"draft_vocab": draft_tokens.tolist()}),
+    return position
+
+
+def _optimizer_step(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Callable[..., LossSums], batch: Any,
+                    wait: float, *, stage: int, epoch: int) -> dict[str, Any]:
+    """One optimizer step on one (global) batch; returns its metrics line."""
+    config, ctx = run.config, run.ctx
+    t0 = time.perf_counter()
+    batch = batch.to(run.device)
+    offset = int(torch.randint(config.window_size, (1,), generator=run.generator, device=run.device))
+    lr = _learning_rate(config, run.step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    with autocast(run.device, run.dtype):
+        sums = run_loss(loss_fn, batch, offset, run.settings, run.generator)
+    result = sums.finish(distributed.global_sum)  # normalised by the global batch's row weights
+    run.optimizer.zero_grad(set_to_none=True)
+    (result.loss * ctx.world_size).backward()  # DDP averages gradients over ranks
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
+    run.optimizer.step()
+    run.step += 1
+    stats = distributed.step_stats(result, batch.tokens, ctx)  # the global batch's
+    busy = time.perf_counter() - t0 + wait
+    return {
+        "step": run.step, "stage": stage, "epoch": epoch, "loss": stats.loss,
+        "token_loss": stats.token_loss, "regression_loss": stats.regression_loss,
+        "accuracy": [c / n if n else None for c, n in zip(stats.correct, stats.count)],
+        "rows": stats.count, "tokens": stats.tokens, "lr": lr,
+        "grad_norm": float(grad_norm), "tokens_per_s": stats.tokens / max(busy, 1e-9),
+        "data_wait_fraction": wait / max(busy, 1e-9),
+    }
+
+
+def _learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to `config.lr`, then constant."""
+    return config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else config.lr
+
+
+def _log_step(run: _Run, metrics: dict[str, Any], metrics_file: Any, on_step: Callable[[dict[str, Any], int], None] | None,
+              position: tuple[int, int]) -> None:
+    """Append the metrics line, report progress, and checkpoint when due (rank 0 only)."""
+    run.last_metrics = metrics
+    if metrics_file is not None:
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+    if on_step is not None:
+        on_step(metrics, run.total_steps)
+    if run.ctx.is_main and (run.step % run.config.checkpoint_every == 0 or run.step == run.total_steps):
+        _save(run, position)
+
+
+def _save(run: _Run, position: tuple[int, int]) -> None:
+    save_checkpoint(run.run_dir, step=run.step, model=run.model, optimizer=run.optimizer, generator=run.generator,
+                    position={"epoch": position[0], "batch": position[1]})
+    run.last_saved = run.step
+
+
+def _finish_run(run: _Run, position: tuple[int, int], draw_curves: bool) -> None:
+    """Rank 0: a final checkpoint if the last step has none, the drafter export, and the curves."""
+    if run.last_saved != run.step:
+        _save(run, position)
+    save_drafter(run.run_dir / "drafter", run.model, metadata={
+        "dataset_ids": run.data.dataset_ids, "stores": run.data.urls, "target": fingerprint(run.data.target),
+        "train_steps": run.step, "window_size": run.config.window_size,
+        "simulation_steps": run.config.simulation_steps, "precision": str(run.dtype).removeprefix("torch."),
+        **({} if run.draft_tokens is None else {"draft_vocab": run.draft_tokens.tolist()}),
     })
     if draw_curves:
         from beagle.curves import draw_curves as draw
-        draw(run_dir / METRICS, run_dir / "curves.png")
-    return TrainResult(run_dir, step, last)
+        draw(run.run_dir / METRICS, run.run_dir / "curves.png")

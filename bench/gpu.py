@@ -37,7 +37,7 @@ def train_rows(device: torch.device, length: int, batch: int, repeats: int, pres
     for name, cls, fn, s in (("Beagle stage 1", BeagleDrafter, stage1_loss, 5), ("Beagle stage 2 s=4", BeagleDrafter,
                              stage2_loss, 4), ("EAGLE-2", Eagle2Drafter, eagle2_loss, 1)):
         model = cls(cfg, emb, head).to(device)
-        seconds, memory = _measure(model, data, fn, StageSettings(5, s, 0.2, 10.0, 8192), device, autocast, repeats)
+        seconds, memory = _measure(model, data, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192), device, autocast, repeats)
         rows.append((name, seconds, memory))
     return rows
 

@@ -34,7 +34,7 @@ def measure(model, batch, loss_fn, settings, device) -> int:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     with count_saved_bytes(model) as saved:
-        loss = loss_fn(model, batch, 0, settings).loss
+        loss = loss_fn(model, batch, 0, settings).finish().loss
     if device.type == "cuda":
         loss.backward()
         torch.cuda.synchronize()
@@ -64,7 +64,7 @@ def main() -> None:
     rows = {}
     for name, fn, recompute in (("stage 2", stage2_loss, True), ("stage 2 no recompute", stage2_loss, False),
                                 ("EAGLE-3 style TTT", ttt_loss, False)):
-        rows[name] = [measure(model, batch, fn, StageSettings(5, s, 0.2, 10.0, 8192, recompute=recompute), device)
+        rows[name] = [measure(model, batch, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192, recompute=recompute), device)
                       for s in (1, 2, 3, 4)]
         print(f"{name:<22}" + "".join(f"{b / 2**20:>10.1f}" for b in rows[name]) + "  MiB at s=1..4")
     kind = "peak allocated" if device.type == "cuda" else "saved for backward"

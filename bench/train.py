@@ -52,7 +52,7 @@ def _measure(model, batch, loss_fn, settings, device, autocast, repeats):
             base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         with count_saved_bytes(model) as saved, torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-            loss = loss_fn(model, batch, 1, settings).loss
+            loss = loss_fn(model, batch, 1, settings).finish().loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -80,14 +80,14 @@ def _data_wait(cfg: DrafterConfig, model, device, autocast, samples: int, L: int
                     tokenizer={"name": "none"}, capture={"layers": [-1], "dtype": "bfloat16", "max_length": L},
                     source={"name": "random"})
         data = StoreSet([url])
-        settings = StageSettings(5, 4, 0.2, 10.0, 8192)
+        settings = StageSettings(window_size=5, simulation_steps=4, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         waited = total = 0.0
         plan = plan_epoch(data.lengths, batch_tokens=batch_tokens, limit=L, seed=0, epoch=0)
         t_start = time.perf_counter()
         for _, batch, wait in Loader(data, plan, limit=L):
             with torch.autocast(device.type, torch.bfloat16, enabled=autocast):
-                loss = stage1_loss(model, batch.to(device), 0, settings).loss
+                loss = stage1_loss(model, batch.to(device), 0, settings).finish().loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -123,16 +123,16 @@ def main() -> None:
           f"threads {torch.get_num_threads()}")
     memory_kind = "peak alloc MiB" if device.type == "cuda" else "saved-for-backward MiB"
     print(f"{'run':<34}{'step ms':>10}{'tokens/s':>11}{memory_kind:>24}")
-    rows = [("stage 1", stage1_loss, StageSettings(k, k, 0.2, 10.0, 8192))]
-    rows += [(f"stage 2 s={s}", stage2_loss, StageSettings(k, s, 0.2, 10.0, 8192)) for s in range(1, k + 1)]
-    rows += [(f"stage 2 s={s} no recompute", stage2_loss, StageSettings(k, s, 0.2, 10.0, 8192, recompute=False))
+    rows = [("stage 1", stage1_loss, StageSettings(window_size=k, simulation_steps=k, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192))]
+    rows += [(f"stage 2 s={s}", stage2_loss, StageSettings(window_size=k, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192)) for s in range(1, k + 1)]
+    rows += [(f"stage 2 s={s} no recompute", stage2_loss, StageSettings(window_size=k, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192, recompute=False))
              for s in (1, k)]
     models = [model] * len(rows)
     if 0 < args.draft_vocab < cfg.vocab_size:
         reduced = BeagleDrafter(cfg, model.embed_tokens, model.lm_head).to(device)
         restrict_loss_vocabulary(reduced, torch.arange(args.draft_vocab))  # which tokens does not change the cost
-        rows += [(f"stage 1, draft vocab {args.draft_vocab}", stage1_loss, StageSettings(k, k, 0.2, 10.0, 8192)),
-                 (f"stage 2 s=4, draft vocab {args.draft_vocab}", stage2_loss, StageSettings(k, min(4, k), 0.2, 10.0, 8192))]
+        rows += [(f"stage 1, draft vocab {args.draft_vocab}", stage1_loss, StageSettings(window_size=k, simulation_steps=k, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192)),
+                 (f"stage 2 s=4, draft vocab {args.draft_vocab}", stage2_loss, StageSettings(window_size=k, simulation_steps=min(4, k), noise_std=0.2, regression_weight=10.0, vocab_chunk=8192))]
         models += [reduced, reduced]
     for (name, fn, settings), run_model in zip(rows, models):
         seconds, memory = _measure(run_model, batch, fn, settings, device, autocast, args.repeats)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from beagle.data import Batch
-from beagle.losses import LossResult, beta_weights, drafter_loss
+from beagle.losses import LossSums, beta_weights, drafter_loss_sums
 from beagle.model import BeagleDrafter, loss_head
 from beagle.stages import StageSettings, noisy_keys
 
@@ -49,7 +49,7 @@ def ttt_forward(model: BeagleDrafter, batch: Batch, settings: StageSettings,
 
 
 def ttt_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSettings,
-             generator: torch.Generator | None = None) -> LossResult:
+             generator: torch.Generator | None = None) -> LossSums:
     """β-weighted loss over every (root, depth) pair; offset unused (TTT has no windows)."""
     B, L, d = batch.hidden.shape
     dev = batch.hidden.device
@@ -59,8 +59,9 @@ def ttt_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSet
     pos = torch.arange(L, device=dev)
     weights = [next_mask * (pos >= step).float()[None] for step in range(1, len(steps) + 1)]  # a true key exists
     depths = torch.cat([torch.full((B * L,), j, device=dev, dtype=torch.long) for j in range(1, len(steps) + 1)])
-    return drafter_loss(torch.cat([h.reshape(-1, d) for h in steps]), batch.hidden.reshape(-1, d).repeat(len(steps), 1),
-                        torch.cat([w.reshape(-1) for w in weights]), depths, loss_head(model),
-                        num_depths=settings.simulation_steps,
-                        depth_weights=beta_weights(settings.simulation_steps),
-                        regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)
+    return drafter_loss_sums(torch.cat([h.reshape(-1, d) for h in steps]),
+                             batch.hidden.reshape(-1, d).repeat(len(steps), 1),
+                             torch.cat([w.reshape(-1) for w in weights]), depths, loss_head(model),
+                             num_depths=settings.simulation_steps,
+                             depth_weights=beta_weights(settings.simulation_steps),
+                             regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk)

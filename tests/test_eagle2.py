@@ -71,7 +71,7 @@ def test_padding_keys_are_invisible():
 def test_loss_is_smooth_l1_plus_a_tenth_of_soft_ce():
     model, batch = _model(), _batch()
     settings = StageSettings(window_size=1, simulation_steps=1, noise_std=0.0, regression_weight=10.0, vocab_chunk=7)
-    result = eagle2_loss(model, batch, 0, settings)
+    result = eagle2_loss(model, batch, 0, settings).finish()
     hidden = model.forward_sequence(batch.input_ids, batch.hidden, batch.lengths)
     rows = torch.zeros_like(batch.loss_mask)
     rows[:, 1:-1] = batch.loss_mask[:, 2:]
@@ -79,7 +79,7 @@ def test_loss_is_smooth_l1_plus_a_tenth_of_soft_ce():
     ce = -(F.softmax(t @ model.lm_head.T, -1) * F.log_softmax(h @ model.lm_head.T, -1)).sum(-1).mean()
     reg = F.smooth_l1_loss(h, t, reduction="none").mean(-1).mean()
     assert torch.allclose(result.loss, 1.0 * reg + 0.1 * ce, atol=1e-5)
-    assert result.count == [int(rows.sum())]
+    assert result.count.tolist() == [int(rows.sum())]
     result.loss.backward()
     assert model.fc.weight.grad.abs().sum() > 0 and model.embed_tokens.grad is None
 

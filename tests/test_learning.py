@@ -97,7 +97,7 @@ def _train(model: BeagleDrafter, data: StoreSet, loss_fn, settings: StageSetting
         rows = torch.randint(0, len(data), (BATCH_ROWS,), generator=g).tolist()
         batch = collate([data.sample(i, LENGTH) for i in rows])
         offset = int(torch.randint(settings.window_size, (1,), generator=g))
-        result = loss_fn(model, batch, offset, settings)
+        result = loss_fn(model, batch, offset, settings).finish()
         optimizer.zero_grad(set_to_none=True)
         result.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -105,7 +105,7 @@ def _train(model: BeagleDrafter, data: StoreSet, loss_fn, settings: StageSetting
     model.eval()
 
 
-STAGE1 = StageSettings(WINDOW, WINDOW, noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
+STAGE1 = StageSettings(window_size=WINDOW, simulation_steps=WINDOW, noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_depth1_reads_the_newest_key_and_depth2_stays_at_chance(drafter, data):
     assert ambiguous >= 0.8, f"depth-1 top-1 {ambiguous:.3f} where content alone is ambiguous"
     # The evaluation above is the training path's: stage1_loss counts the same rows and top-1 hits.
     with torch.no_grad():
-        results = [stage1_loss(drafter, batch, offset, STAGE1) for offset in range(WINDOW)]
+        results = [stage1_loss(drafter, batch, offset, STAGE1).finish() for offset in range(WINDOW)]
     for j in range(1, WINDOW + 1):
         assert sum(r.count[j - 1] for r in results) == int((rows["depth"] == j).sum())
         assert sum(r.correct[j - 1] for r in results) == int(rows["correct"][rows["depth"] == j].sum())
@@ -197,11 +197,11 @@ def test_stage2_keeps_reading_true_keys_and_hides_the_window(drafter, data):
     chance, because its fed-back key ĥ_(i-1) is computed from states <= i-2, which know nothing of t_(i+1).
     Only a leak of the true h_(i-1) into the simulation could lift it."""
     train, batch = data
-    settings = StageSettings(WINDOW, WINDOW, noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
+    settings = StageSettings(window_size=WINDOW, simulation_steps=WINDOW, noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
     model = copy.deepcopy(drafter)
     _train(model, train, stage2_loss, settings, 100, seed=1)
     with torch.no_grad():
-        results = [stage2_loss(model, batch, offset, settings) for offset in range(WINDOW)]
+        results = [stage2_loss(model, batch, offset, settings).finish() for offset in range(WINDOW)]
     correct = [sum(r.correct[j] for r in results) for j in range(WINDOW)]
     count = [sum(r.count[j] for r in results) for j in range(WINDOW)]
     assert min(count) >= 100

@@ -39,7 +39,7 @@ def test_mask_step_1_is_strictly_causal_and_later_steps_add_one_diagonal_per_ban
 
 def test_step_j_query_depends_on_true_context_and_its_own_root_only():
     model, batch = _model().eval(), _batch(1, 10)
-    settings = StageSettings(1, 3, 0.0, 10.0, 64)
+    settings = StageSettings(window_size=1, simulation_steps=3, noise_std=0.0, regression_weight=10.0, vocab_chunk=64)
     with torch.no_grad():
         base = ttt_forward(model, batch, settings)[2][0]          # step 3
         p = 8
@@ -64,7 +64,7 @@ def test_ttt_memory_grows_with_steps_while_stage2_stays_flat():
 
     def saved(loss_fn, steps):
         with count_saved_bytes(model) as counter:
-            loss_fn(model, batch, 0, StageSettings(5, steps, 0.1, 10.0, 64))
+            loss_fn(model, batch, 0, StageSettings(window_size=5, simulation_steps=steps, noise_std=0.1, regression_weight=10.0, vocab_chunk=64))
         return counter.total
 
     ttt = [saved(ttt_loss, s) for s in (1, 2, 4)]
@@ -85,10 +85,10 @@ def test_ttt_loss_falls_on_a_tiny_store(tmp_path):
                           head["embed_tokens"], head["lm_head"])
     batch = collate([data.sample(i, 100) for i in range(8)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    settings = StageSettings(3, 3, 0.0, 10.0, 128)
+    settings = StageSettings(window_size=3, simulation_steps=3, noise_std=0.0, regression_weight=10.0, vocab_chunk=128)
     losses = []
     for _ in range(30):
-        result = ttt_loss(model, batch, 0, settings)
+        result = ttt_loss(model, batch, 0, settings).finish()
         opt.zero_grad()
         result.loss.backward()
         opt.step()

@@ -1,0 +1,38 @@
+"""Which dtype a training step computes in.
+
+Master weights and optimizer state always stay in fp32; bf16 autocast only changes the dtype of the
+matmuls (and the frozen loss head, kept once in bf16). On a GPU bf16 is the norm. On a CPU it pays only
+where the cores multiply bf16 natively (AMX tiles or AVX512-BF16): there a drafter-sized matmul runs
+3-4x faster than in fp32, while a CPU without them emulates bf16 and is slower than fp32. So the default
+is decided by the hardware, and `--bf16/--no-bf16` overrides it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bf16 in hardware (AMX or AVX512-BF16)."""
+    checks = (getattr(torch.cpu, "_is_amx_tile_supported", None), getattr(torch.cpu, "_is_avx512_bf16_supported", None))
+    return any(check is not None and bool(check()) for check in checks)
+
+
+def training_dtype(device: torch.device, bf16: bool | None) -> torch.dtype:
+    """The autocast dtype of training on `device`: bf16 when asked, fp32 when refused, and with
+    `bf16=None` bf16 wherever the hardware runs it fast (any CUDA GPU with bf16, a CPU with AMX/AVX512-BF16)."""
+    if bf16 is None:
+        if device.type == "cuda":
+            bf16 = torch.cuda.is_bf16_supported()
+        else:
+            bf16 = device.type == "cpu" and cpu_has_native_bf16()
+        log.info("training precision on %s: %s (auto)", device, "bf16 autocast" if bf16 else "fp32")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
+    """The autocast context of a training step: enabled for bf16, a no-op for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
