@@ -1,4 +1,5 @@
-"""`beagle-pipeline train`: build a TrainConfig from defaults, --config FILE and flags, then train."""
+"""`beagle-pipeline train` in one process (or one torchrun rank): build a TrainConfig from defaults,
+--config FILE and flags, then train. `pipeline.train_cli` adds the Ray Train path (--num-workers) on top."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,6 +7,19 @@ from typing import Any
 import click
 
 from beagle.train_config import TrainConfig, load_config_file
+
+
+# The parameters of `train` that are not TrainConfig keys (the rest of its options override the config).
+RUN_OPTIONS = ("stores", "run_dir", "config_file", "resume", "progress", "cache_dir", "verify_store")
+
+
+def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
+    """Defaults, then --config FILE, then the flags given; a bad value is a usage error naming it."""
+    try:
+        base = load_config_file(config_file) if config_file else TrainConfig()
+        return base.override(**flags)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 @click.command("train")
@@ -38,16 +52,12 @@ from beagle.train_config import TrainConfig, load_config_file
 @click.option("--seed", type=int, help="Seed for init, batch order, offsets and noise. [0]")
 @click.option("--cache-dir", type=click.Path(file_okay=False),
               help="Local folder caching the files read from remote (fsspec URL) stores.")
-@click.option("--num-workers", type=int,
-              help="Train on N Ray Train workers (DDP; one GPU each where the cluster has GPUs).")
-@click.option("--address", help="Ray cluster to join with --num-workers (default: RAY_ADDRESS or a local Ray).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--verify-store/--no-verify-store", default=True,
               help="Check each store file's sha256 on first read; refuse a damaged store. [on]")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume: bool, progress: bool,
-          cache_dir: str | None, num_workers: int | None, address: str | None, verify_store: bool,
-          **flags: Any) -> None:
+          cache_dir: str | None, verify_store: bool, **flags: Any) -> None:
     """Train a Beagle drafter on feature stores (stage 1, then stage 2) and export RUN/drafter/.
 
     Several processes: `torchrun --nproc-per-node N -m beagle.train_cli ...` or --num-workers N (Ray Train)."""
@@ -56,16 +66,7 @@ def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume
     from beagle.trainer import train as run_training
     from pipeline.store import StoreError
 
-    try:
-        base = load_config_file(config_file) if config_file else TrainConfig()
-        config = base.override(**flags)
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.UsageError(str(exc)) from exc
-    if address and num_workers is None:
-        raise click.UsageError("--address joins a Ray cluster for Ray Train; give --num-workers N with it")
-    if num_workers is not None:
-        _train_on_ray(list(stores), run_dir, config, num_workers, address, resume, cache_dir)
-        return
+    config = build_config(config_file, flags)
     bar = None
 
     def on_step(metrics: dict, total: int) -> None:
@@ -91,22 +92,6 @@ def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume
     final = result.final_metrics or {}
     click.echo(f"trained {result.steps} steps; final loss {final.get('loss', float('nan')):.4f}; "
                f"drafter in {result.run_dir / 'drafter'}")
-
-
-def _train_on_ray(stores: list[str], run_dir: str, config: TrainConfig, num_workers: int, address: str | None,
-                  resume: bool, cache_dir: str | None) -> None:
-    from beagle.ray_launch import launch  # the only path that loads Ray
-
-    if num_workers < 1:
-        raise click.UsageError(f"--num-workers {num_workers} must be >= 1")
-    try:
-        final = launch(stores, run_dir, config, num_workers=num_workers, address=address, resume=resume,
-                       cache_dir=cache_dir)
-    except Exception as exc:  # Ray wraps worker errors (our ValueErrors among them)
-        raise click.ClickException(f"Ray Train run failed: {str(exc).strip().splitlines()[-1]}") from exc
-    loss = final.get("loss")
-    click.echo(f"trained {final.get('steps')} steps on {num_workers} Ray Train workers; final loss "
-               f"{float('nan') if loss is None else loss:.4f}; drafter in {run_dir}/drafter")
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node N -m beagle.train_cli --store ... --out ...

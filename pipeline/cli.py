@@ -19,7 +19,7 @@ _COMMANDS: dict[str, str] = {
     "info": "pipeline.store.cli:info",
     "verify": "pipeline.store.cli:verify",
     "merge": "pipeline.store.cli:merge",
-    "train": "beagle.train_cli:train",
+    "train": "pipeline.train_cli:train",
     "eval": "beagle.eval_cli:evaluate",
 }
 

@@ -115,7 +115,7 @@ def test_torchrun_two_gloo_ranks_match_one_process(store, single_run, tmp_path):
 def test_ray_train_two_workers_match_one_process(store, single_run, tmp_path):
     import ray
 
-    from beagle.ray_launch import launch
+    from pipeline.train_launch import launch
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}})

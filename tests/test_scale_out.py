@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from beagle.train_cli import train as train_command
+from pipeline.train_cli import train as train_command
 from beagle.train_config import TrainConfig
 from beagle.trainer import train
 from tests.tiny_store import build_tiny_store

@@ -2,17 +2,21 @@
 
 Ray Train's TorchTrainer sets up the torch.distributed process group (gloo on CPU, nccl on GPU) on each
 worker; every worker then calls `beagle.trainer.train`, which finds the group and runs DDP over disjoint
-slices of each global batch (beagle.distributed). This is the only beagle module that imports Ray, and
-`beagle.train_cli` imports it only when --num-workers is given: plain `train` never loads Ray.
+slices of each global batch (beagle.distributed). It lives in the application layer, not in `beagle`,
+which never imports Ray; `pipeline.train_cli` imports it only when --num-workers is given: plain `train`
+never loads Ray. Ray is joined or started by `pipeline.ray_session.connect_ray`, like extract's.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from pipeline.ray_session import connect_ray
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,8 @@ def launch(stores: list[str], run_dir: str | Path, config: Any, *, num_workers: 
            resume: bool = False, cache_dir: str | None = None, cpus_per_worker: float = 1.0) -> dict[str, Any]:
     """Train on `num_workers` Ray Train workers; returns rank 0's final report {"steps", "loss"}.
 
-    Joins `address` (or RAY_ADDRESS) when given, else starts a local Ray. Workers use one GPU each when
+    Joins `address` (or RAY_ADDRESS) when given, else starts a local Ray of our own (never a cluster
+    that happens to run on this machine). Workers use one GPU each when
     the cluster has GPUs and config.device is not "cpu". `run_dir` must be storage that rank 0's node can
     write (on several nodes: a shared file system); the stores must be readable from every node (a shared
     path or an fsspec URL, with `cache_dir` for a local copy of the files read)."""
@@ -45,15 +50,7 @@ def launch(stores: list[str], run_dir: str | Path, config: Any, *, num_workers: 
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    started = False
-    if not ray.is_initialized():
-        address = address or os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address, logging_level=logging.WARNING)
-        else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(num_workers * cpus_per_worker)),
-                     include_dashboard=False, logging_level=logging.WARNING)
-        started = True
+    started = connect_ray(address, math.ceil(num_workers * cpus_per_worker))
     try:
         use_gpu = config.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
         run_dir = Path(run_dir).resolve()
