@@ -53,57 +53,33 @@ def iter_json_array(path: str | Path, *, chunk_chars: int = 1 << 20, stats: Deco
     decoder = json.JSONDecoder()
     path = Path(path)
     with open(path, "rb") as raw:
-        reader = _Utf8Chunks(raw, chunk_chars, on_bytes)
-        buffer, position = reader.read(), 0
-
-        def refill(at_least: int) -> bool:
-            """Drop consumed text, append at least `at_least` more characters; False at end of file."""
-            nonlocal buffer, position
-            more = reader.read(at_least)
-            buffer, position = buffer[position:] + more, 0
-            return bool(more)
-
-        position = _skip_whitespace(buffer, 0)
-        if position >= len(buffer) or buffer[position] != "[":
-            raise ValueError(f"{path}: expected a JSON array starting with '[', "
-                             f"found {buffer[position:position + 20]!r}")
-        position += 1
+        window = _TextWindow(_Utf8Chunks(raw, chunk_chars, on_bytes), chunk_chars)
+        window.open_array(path)
         expect_element = True  # after '[' or ',' an element must follow
         while True:
-            position = _skip_whitespace(buffer, position)
-            if position >= len(buffer):
-                if refill(chunk_chars):
-                    continue
+            if not window.skip_whitespace():
                 stats.truncated = True  # ended between elements, without the closing ']'
                 return
-            char = buffer[position]
+            char = window.current
             if not expect_element:
                 if char == "]":
                     stats.closed = True
                     return
                 if char != ",":
                     raise ValueError(f"{path}: expected ',' or ']' after element {stats.records}, found {char!r}")
-                position, expect_element = position + 1, True
+                window.position, expect_element = window.position + 1, True
                 continue
             if char == "]" and stats.records == 0:
                 stats.closed = True  # an empty array
                 return
-            try:
-                element, end = decoder.raw_decode(buffer, position)
-            except json.JSONDecodeError:
-                # The element may go on past the buffer: read more (doubling keeps this linear).
-                if refill(max(chunk_chars, len(buffer) - position)):
-                    continue
-                # At end of file it cannot be completed: the cut. (Malformed text before the end of the
-                # file is read to the end and reported the same way.)
-                stats.truncated, stats.truncated_chars = True, len(buffer) - position
+            element, complete = window.decode_element(decoder)
+            if not complete:
+                stats.truncated, stats.truncated_chars = True, window.remaining
                 logger.info("%s: cut off inside element %d (%d characters dropped)", path, stats.records,
                             stats.truncated_chars)
                 return
-            if end == len(buffer) and not isinstance(element, (dict, list, str)) and refill(chunk_chars):
-                continue  # a bare number or literal may go on in the next chunk: decode it again
             stats.records += 1
-            position, expect_element = end, False
+            expect_element = False
             yield element
 
 
@@ -172,3 +148,63 @@ class _Utf8Chunks:
             text = self._decoder.decode(data)
             if text:
                 return text
+
+
+class _TextWindow:
+    """The text not yet consumed: a buffer of decoded characters, a position in it, and refills from
+    the file that drop what was consumed (so memory stays at about one chunk plus one element)."""
+
+    def __init__(self, reader: _Utf8Chunks, chunk_chars: int) -> None:
+        self._reader, self._chunk_chars = reader, chunk_chars
+        self.buffer, self.position = reader.read(), 0
+
+    @property
+    def current(self) -> str:
+        return self.buffer[self.position]
+
+    @property
+    def remaining(self) -> int:
+        """Characters from the position to the end of what was read."""
+        return len(self.buffer) - self.position
+
+    def refill(self, at_least: int) -> bool:
+        """Drop consumed text, append at least `at_least` more characters; False at end of file."""
+        more = self._reader.read(at_least)
+        self.buffer, self.position = self.buffer[self.position:] + more, 0
+        return bool(more)
+
+    def open_array(self, path: Path) -> None:
+        """Step past the opening `[`, or raise ValueError naming what the file starts with instead."""
+        self.position = _skip_whitespace(self.buffer, 0)
+        if self.position >= len(self.buffer) or self.current != "[":
+            raise ValueError(f"{path}: expected a JSON array starting with '[', "
+                             f"found {self.buffer[self.position:self.position + 20]!r}")
+        self.position += 1
+
+    def skip_whitespace(self) -> bool:
+        """Move to the next non-whitespace character, reading more as needed; False at end of file."""
+        while True:
+            self.position = _skip_whitespace(self.buffer, self.position)
+            if self.position < len(self.buffer):
+                return True
+            if not self.refill(self._chunk_chars):
+                return False
+
+    def decode_element(self, decoder: json.JSONDecoder) -> tuple[object, bool]:
+        """Decode the element at the position and step past it: `(element, True)`, or `(None, False)` when
+        the file ends before the element does (the cut)."""
+        while True:
+            try:
+                element, end = decoder.raw_decode(self.buffer, self.position)
+            except json.JSONDecodeError:
+                # The element may go on past the buffer: read more (doubling keeps this linear).
+                if self.refill(max(self._chunk_chars, self.remaining)):
+                    continue
+                # At end of file it cannot be completed: the cut. (Malformed text before the end of the
+                # file is read to the end and reported the same way.)
+                return None, False
+            may_go_on = end == len(self.buffer) and not isinstance(element, (dict, list, str))
+            if may_go_on and self.refill(self._chunk_chars):
+                continue  # a bare number or literal may go on in the next chunk: decode it again
+            self.position = end
+            return element, True
