@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from beagle.target_facts import architecture_values
+
 
 def _sdpa_has_gqa() -> bool:
     """torch >= 2.5 broadcasts KV heads itself; older ones need repeat_interleave."""
@@ -51,26 +53,22 @@ class DrafterConfig:
 
     @classmethod
     def from_architecture(cls, arch: dict[str, Any]) -> "DrafterConfig":
-        """Build from a store's target["architecture"] or an HF `config.to_dict()`."""
+        """Build from a store's target["architecture"] or an HF `config.to_dict()` (read by target_facts)."""
+        arch = architecture_values(arch)
         missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
                    if arch.get(k) is None]
         if missing:
             raise ValueError(f"target architecture lacks {missing}; re-extract the store with a "
                              "transformers config that has them")
-        heads = int(arch["num_attention_heads"])
-        kv_heads = arch.get("num_key_value_heads") or heads
-        head_dim = arch.get("head_dim") or int(arch["hidden_size"]) // heads
-        rope_theta = arch.get("rope_theta")
-        if rope_theta is None:  # transformers 5 nests it under rope_parameters
-            rope_theta = (arch.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_theta = arch["rope_theta"]  # None: the target has no RoPE (GPT-2); the drafter still needs one
         return cls(
             hidden_size=int(arch["hidden_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
+            num_attention_heads=int(arch["num_attention_heads"]),
+            num_key_value_heads=int(arch["num_key_value_heads"]),
+            head_dim=int(arch["head_dim"]),
             intermediate_size=int(arch["intermediate_size"]),
             vocab_size=int(arch["vocab_size"]),
-            rope_theta=float(rope_theta),
+            rope_theta=10000.0 if rope_theta is None else float(rope_theta),
             rms_norm_eps=float(arch.get("rms_norm_eps") or 1e-6),
         )
 

@@ -11,6 +11,7 @@ import torch
 from beagle.decoding.verify import check_supported
 from beagle.devices import DTYPES, pick_device, torch_dtype  # noqa: F401  (eval_cli and bench/decode use these)
 from beagle.export import CONFIG_NAME, load_drafter
+from beagle.target_facts import read_target_facts
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,9 @@ def load_target(model_path: str | Path, dtype: str, device: torch.device):
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'} not found; --model must be a local HF model directory")
+    facts = read_target_facts(path)  # an unknown model_type is refused here, before any weight is read
+    logger.info("target %s (%s): %d layers, width %d, vocabulary %d", path, facts.model_type,
+                facts.num_hidden_layers, facts.hidden_size, facts.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
     check_supported(model)

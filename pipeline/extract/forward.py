@@ -19,14 +19,12 @@ import numpy as np
 import torch
 
 from beagle.devices import pick_device, torch_dtype
+from beagle.target_facts import facts_from_config, read_target_facts
 from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_ARCHITECTURE_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps", "num_hidden_layers",
-                      "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -56,26 +54,19 @@ def weight_files(model_path: str) -> list[Path]:
     return files
 
 
-def target_fingerprint(model_path: str, dtype: str) -> dict[str, Any]:
+def target_fingerprint(model_path: str, dtype: str, *, trust_remote_code: bool = False) -> dict[str, Any]:
     """The manifest's `target`: name, hashes of config and weights (files in name order), architecture."""
     root = Path(model_path)
     files = weight_files(model_path)
-    config = json.loads((root / "config.json").read_text())
+    facts = read_target_facts(model_path, trust_remote_code=trust_remote_code)
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0")
         update_from_file(digest, path)
-    text = config.get("text_config", config)  # multimodal configs nest the language model's
-    architecture = {key: text.get(key) for key in _ARCHITECTURE_KEYS}
-    if architecture["head_dim"] is None and text.get("hidden_size") and text.get("num_attention_heads"):
-        architecture["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
-    if architecture["num_key_value_heads"] is None:
-        architecture["num_key_value_heads"] = text.get("num_attention_heads")
-    if architecture["rope_theta"] is None:  # transformers 5 keeps it under rope_parameters
-        architecture["rope_theta"] = (text.get("rope_parameters") or {}).get("rope_theta")
+    config = json.loads((root / "config.json").read_text())  # only for the name the model was saved under
     return {"name": config.get("_name_or_path") or root.name,
             "config_sha256": hashlib.sha256((root / "config.json").read_bytes()).hexdigest(),
-            "weights_sha256": digest.hexdigest(), "dtype": dtype, "architecture": architecture}
+            "weights_sha256": digest.hexdigest(), "dtype": dtype, "architecture": facts.architecture()}
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -124,7 +115,7 @@ class TargetForward:
             self.model = model.eval().to(self.device)
         base = getattr(model, model.base_model_prefix, None)
         self.base = base if isinstance(base, torch.nn.Module) else model
-        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.num_layers = facts_from_config(model.config, where=f"--model {config.model_path}").num_hidden_layers
         self.layers = normalize_layers(config.layers, self.num_layers)
         logger.info("loaded %s on %s (%s), capturing layers %s", config.model_path, self.device,
                     config.dtype, self.layers)

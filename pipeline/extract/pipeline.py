@@ -15,10 +15,10 @@ import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from beagle.devices import torch_dtype
+from beagle.target_facts import read_target_facts
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint, weight_files
 from pipeline.extract.inputs import ReadResult, check_data_path, read_inputs
@@ -95,16 +95,14 @@ def prepare(config: ExtractConfig) -> Prepared:
     for name in ("max_length", "batch_tokens", "samples_per_shard"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least 1")
-    model_config = json.loads((Path(config.model_path) / "config.json").read_text())
-    text_config = model_config.get("text_config", model_config)
-    layers = normalize_layers(config.layers, int(text_config["num_hidden_layers"]))
+    facts = read_target_facts(config.model_path, trust_remote_code=config.trust_remote_code)
+    layers = normalize_layers(config.layers, facts.num_hidden_layers)
     tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
     read = read_inputs(list(config.data), limit=config.limit)
     if any(r.messages is not None for r in read.records) and not isinstance(tokenizer.chat_template, str):
         raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
                          "conversations; add a chat_template to tokenizer_config.json")
-    return Prepared(config, tokenizer, layers, int(text_config["hidden_size"]),
-                    int(text_config.get("vocab_size") or len(tokenizer)), read)
+    return Prepared(config, tokenizer, layers, facts.hidden_size, facts.vocab_size, read)
 
 
 def tokenize_all(prepared: Prepared, *, use_ray: bool) -> None:
@@ -231,7 +229,8 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
                                 store_identity, write_rejects)
     from pipeline.extract.store_tensors import write_head
 
-    facts = identity(prepared, target_fingerprint(config.model_path, config.dtype))
+    facts = identity(prepared, target_fingerprint(config.model_path, config.dtype,
+                                                  trust_remote_code=config.trust_remote_code))
     dataset_id = compute_dataset_id(store_identity(**facts))
     state = begin_store(url, dataset_id, overwrite=config.overwrite)
     if state == "complete":
