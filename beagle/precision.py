@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+from beagle.model import loss_head
+
 log = logging.getLogger(__name__)
 
 
@@ -36,3 +38,10 @@ def training_dtype(device: torch.device, bf16: bool | None) -> torch.dtype:
 def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
     """The autocast context of a training step: enabled for bf16, a no-op for fp32."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+
+
+def keep_loss_head_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Keep the frozen loss head (the draft vocabulary's rows, or the whole LM head) once in `dtype`,
+    so that bf16 steps do not recast [V, d] rows chunk by chunk, twice per step."""
+    if dtype != torch.float32:
+        model.register_buffer("loss_head", loss_head(model).to(dtype), persistent=False)

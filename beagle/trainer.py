@@ -21,8 +21,8 @@ from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
 from beagle.eagle2 import Eagle2Drafter, eagle2_loss
 from beagle.export import save_drafter
 from beagle.losses import LossSums
-from beagle.model import BeagleDrafter, DrafterConfig, loss_head, restrict_loss_vocabulary
-from beagle.precision import autocast, training_dtype
+from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
+from beagle.precision import autocast, keep_loss_head_in, training_dtype
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
 from beagle.train_config import TrainConfig
 
@@ -191,8 +191,7 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
     draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size)
     if draft_tokens is not None:
         restrict_loss_vocabulary(model, draft_tokens)
-    if dtype != torch.float32:  # frozen: one copy in the matmul dtype instead of a cast per chunk per step
-        model.register_buffer("loss_head", loss_head(model).to(dtype), persistent=False)
+    keep_loss_head_in(model, dtype)
     return model, drafter_config, draft_tokens
 
 

@@ -4,6 +4,7 @@ same batch, and the data-wait fraction of the store loader.
     python bench/train.py                      # SmolLM2-135M shapes, 2 x 512 tokens, CPU
     python bench/train.py --preset tiny        # seconds, for a smoke check
     python bench/train.py --device cuda        # bf16 autocast, allocator peak
+    python bench/train.py --json p9.json       # also P9: training tokens/s in bf16 autocast ÷ fp32, same steps
 
 Memory: on CUDA the allocator's peak above the model; on CPU the bytes autograd keeps for backward
 (bench.profiling), which is what grows with simulation steps. Random weights and states: the timing
@@ -13,17 +14,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from beagle.data import Batch, Loader, StoreSet, plan_epoch
-from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
-from beagle.stages import StageSettings, stage1_loss, stage2_loss
-from bench.profiling import count_saved_bytes
-from pipeline.extract.store_tensors import write_store
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from beagle.data import Batch, Loader, StoreSet, plan_epoch  # noqa: E402
+from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary  # noqa: E402
+from beagle.precision import cpu_has_native_bf16, keep_loss_head_in  # noqa: E402
+from beagle.stages import StageSettings, stage1_loss, stage2_loss  # noqa: E402
+from bench.common import emit, record  # noqa: E402
+from bench.profiling import count_saved_bytes  # noqa: E402
+from pipeline.extract.store_tensors import write_store  # noqa: E402
 
 PRESETS = {
     "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -98,6 +105,36 @@ def _data_wait(cfg: DrafterConfig, model, device, autocast, samples: int, L: int
     return waited / total
 
 
+def precision_ratio(cfg: DrafterConfig, batch: Batch, device: torch.device, draft_vocab: int, repeats: int,
+                    json_path: str | None) -> None:
+    """P9: the demo's training step (stage 1 and stage 2 s=4 over the draft vocabulary) timed in fp32 and
+    in bf16 autocast with the loss head kept in bf16, as the trainer runs them; tokens/s ratio."""
+    torch.manual_seed(0)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = BeagleDrafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02,
+                              torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(device)
+        if 0 < draft_vocab < cfg.vocab_size:
+            restrict_loss_vocabulary(model, torch.arange(draft_vocab))
+        keep_loss_head_in(model, dtype)
+        seconds[dtype] = sum(
+            _measure(model, batch, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2,
+                                                     regression_weight=10.0, vocab_chunk=8192),
+                     device, dtype == torch.bfloat16, repeats)[0]
+            for fn, s in ((stage1_loss, 5), (stage2_loss, 4)))
+    ratio = seconds[torch.float32] / seconds[torch.bfloat16]
+    tokens = batch.input_ids.numel() * 2
+    native = cpu_has_native_bf16() if device.type == "cpu" else True
+    emit([record("P9", "training tokens/s bf16 ÷ fp32", ratio, 2.0, ">=",
+                 f"{tokens / seconds[torch.bfloat16]:.0f} vs {tokens / seconds[torch.float32]:.0f} tokens/s "
+                 f"(stage 1 + stage 2 s=4); native bf16 on this {device.type}: {'yes' if native else 'no'}",
+                 {"shapes": "SmolLM2-135M", "batch": f"{batch.input_ids.shape[0]} x {batch.input_ids.shape[1]}",
+                  "draft_vocab": draft_vocab, "device": str(device)},
+                 why="this CPU has neither AMX nor AVX512-BF16, so bf16 is emulated; the trainer keeps fp32 "
+                     "here by default" if not native else "the step is not dominated by matmuls at this size")],
+         json_path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2")
@@ -109,6 +146,8 @@ def main() -> None:
     parser.add_argument("--store-samples", type=int, default=16)
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="also time stage 1 and stage 2 s=4 with the token loss over N tokens (0: skip)")
+    parser.add_argument("--json", default=None, help="write the P9 record (bf16 ÷ fp32 tokens/s) here")
+    parser.add_argument("--only-p9", action="store_true", help="measure P9 alone")
     args = parser.parse_args()
     device = torch.device(args.device)
     autocast = device.type == "cuda"
@@ -117,6 +156,9 @@ def main() -> None:
     model = BeagleDrafter(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02,
                           torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(device)
     batch = _batch(cfg, args.batch, args.length, device)
+    if args.only_p9:
+        precision_ratio(cfg, batch, device, args.draft_vocab, args.repeats, args.json)
+        return
     k = args.window_size
     tokens = args.batch * args.length
     print(f"preset {args.preset}, batch {args.batch} x {args.length} tokens, k={k}, device {device}, "
@@ -139,6 +181,7 @@ def main() -> None:
         print(f"{name:<34}{seconds * 1e3:>10.1f}{tokens / seconds:>11.0f}{memory / 2**20:>24.1f}")
     fraction = _data_wait(cfg, model, device, autocast, args.store_samples, args.length, tokens)
     print(f"data-wait fraction (stage 1 over a {args.store_samples}-sample bf16 store): {fraction:.3f}")
+    precision_ratio(cfg, batch, device, args.draft_vocab, args.repeats, args.json)
 
 
 if __name__ == "__main__":
