@@ -225,23 +225,15 @@ def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> E
 
 def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: Progress | None,
                 started: float) -> ExtractSummary:
-    from pipeline.store import (begin_store, commit_manifest, committed_shards, compute_dataset_id, open_store,
-                                store_identity, write_rejects)
-    from pipeline.extract.store_tensors import write_head
+    """Inside the store lock: find the shards already committed, forward the rest, commit the manifest."""
+    from pipeline.store import begin_store, compute_dataset_id, store_identity
 
     facts = identity(prepared, target_fingerprint(config.model_path, config.dtype,
                                                   trust_remote_code=config.trust_remote_code))
     dataset_id = compute_dataset_id(store_identity(**facts))
     state = begin_store(url, dataset_id, overwrite=config.overwrite)
     if state == "complete":
-        store = open_store(url)
-        counts = store.manifest["counts"]
-        logger.info("%s is already a complete store of these inputs; nothing to do", url)
-        return ExtractSummary(dataset_id=dataset_id, samples=counts["samples"], tokens=counts["tokens"],
-                              loss_tokens=counts["loss_tokens"], rejected_by_reason=counts["rejected_by_reason"],
-                              shards=len(store.manifest["shards"]), shards_resumed=len(store.manifest["shards"]),
-                              store_bytes=_store_bytes(url), head_bytes=_head_bytes(url), state="complete",
-                              seconds=time.perf_counter() - started)
+        return _complete_summary(url, dataset_id, started)
     owned = connect_ray(config.address, config.num_workers)
     quiet_ray_data()
     try:
@@ -250,45 +242,83 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
         if not prepared.samples:
             raise ValueError(f"all {summary.rejected} records were rejected ({summary.rejected_by_reason}); "
                              "nothing to extract; check the input format and --max-length")
-        size = config.samples_per_shard
-        shards = {k // size: prepared.samples[k:k + size] for k in range(0, len(prepared.samples), size)}
-        done = {k: info for k, info in committed_shards(url).items() if k in shards}
-        pending = {k: samples for k, samples in shards.items() if k not in done}
-        if done:
-            logger.info("resuming %s: %d of %d shards already committed", url, len(done), len(shards))
+        shards, done = _plan_shards(prepared, url)
         if progress is not None:
             progress.start(summary.samples, summary.tokens)
             progress.advance(sum(i["samples"] for i in done.values()), sum(i["tokens"] for i in done.values()))
         forward_started = time.perf_counter()
+        pending = {k: samples for k, samples in shards.items() if k not in done}
         infos = _forward_shards(prepared, pending, url, progress) if pending else []
         summary.forward_seconds = time.perf_counter() - forward_started
         summary.forward_tokens = sum(i["tokens"] for i in infos)
-        from pipeline.store import format as fmt
-        fs, root = fmt.open_fs(url)
-        if not fs.exists(fmt.join(root, fmt.HEAD)):  # every shard was committed before a crash
-            from pipeline.extract.forward import TargetForward
-            write_head(url, **TargetForward(ForwardConfig(config.model_path, tuple(prepared.layers),
-                                                          config.dtype, device="cpu")).head())
-        rejects = _sorted_rejects(prepared)
-        if rejects:
-            write_rejects(url, rejects)
-        extra = {"extract": {"version": EXTRACT_VERSION, "truncated": summary.truncated,
-                             "dropped_leading_assistant": summary.dropped_leading_assistant,
-                             "loss_mask_method": "generation_markers" if has_generation_markers(prepared.tokenizer)
-                             else "prefix_diff", "batch_tokens": config.batch_tokens}}
-        commit_manifest(url, dataset_id=dataset_id, **facts, shards=list(done.values()) + infos,
-                        rejected=summary.rejected_by_reason, extra=extra)
+        _commit_store(prepared, url, dataset_id, facts, summary, list(done.values()) + infos)
     finally:
         if owned:
             import ray
             ray.shutdown()
     summary.shards, summary.shards_resumed, summary.state = len(shards), len(done), state
+    _add_run_facts(summary, prepared, url, started)
+    return summary
+
+
+def _complete_summary(url: str, dataset_id: str, started: float) -> ExtractSummary:
+    """The summary of a store that a finished run of the same inputs already wrote (nothing to do)."""
+    from pipeline.store import open_store
+
+    store = open_store(url)
+    counts = store.manifest["counts"]
+    logger.info("%s is already a complete store of these inputs; nothing to do", url)
+    return ExtractSummary(dataset_id=dataset_id, samples=counts["samples"], tokens=counts["tokens"],
+                          loss_tokens=counts["loss_tokens"], rejected_by_reason=counts["rejected_by_reason"],
+                          shards=len(store.manifest["shards"]), shards_resumed=len(store.manifest["shards"]),
+                          store_bytes=_store_bytes(url), head_bytes=_head_bytes(url), state="complete",
+                          seconds=time.perf_counter() - started)
+
+
+def _plan_shards(prepared: Prepared, url: str) -> tuple[dict[int, list[dict]], dict[int, dict]]:
+    """(every shard's samples, the infos of shards an earlier run already committed)."""
+    from pipeline.store import committed_shards
+
+    size = prepared.config.samples_per_shard
+    samples = prepared.samples
+    shards = {k // size: samples[k:k + size] for k in range(0, len(samples), size)}
+    done = {k: info for k, info in committed_shards(url).items() if k in shards}
+    if done:
+        logger.info("resuming %s: %d of %d shards already committed", url, len(done), len(shards))
+    return shards, done
+
+
+def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str, dict],
+                  summary: ExtractSummary, shards: list[dict]) -> None:
+    """Write what the shards do not hold (the head, the rejects), then the manifest that makes it a store."""
+    from pipeline.extract.store_tensors import write_head
+    from pipeline.store import commit_manifest, write_rejects
+    from pipeline.store import format as fmt
+
+    config = prepared.config
+    fs, root = fmt.open_fs(url)
+    if not fs.exists(fmt.join(root, fmt.HEAD)):  # every shard was committed before a crash
+        from pipeline.extract.forward import TargetForward
+        write_head(url, **TargetForward(ForwardConfig(config.model_path, tuple(prepared.layers),
+                                                      config.dtype, device="cpu")).head())
+    rejects = _sorted_rejects(prepared)
+    if rejects:
+        write_rejects(url, rejects)
+    extra = {"extract": {"version": EXTRACT_VERSION, "truncated": summary.truncated,
+                         "dropped_leading_assistant": summary.dropped_leading_assistant,
+                         "loss_mask_method": "generation_markers" if has_generation_markers(prepared.tokenizer)
+                         else "prefix_diff", "batch_tokens": config.batch_tokens}}
+    commit_manifest(url, dataset_id=dataset_id, **facts, shards=shards, rejected=summary.rejected_by_reason,
+                    extra=extra)
+
+
+def _add_run_facts(summary: ExtractSummary, prepared: Prepared, url: str, started: float) -> None:
+    """What the run measured: actors and nodes used, their time, the store's size, the wall time."""
     summary.actors = len(prepared.actor_pids)
     summary.nodes = len(set(prepared.actor_nodes.values()))
     summary.actor_seconds, summary.actor_forward_seconds = prepared.actor_seconds, prepared.actor_forward_seconds
     summary.store_bytes, summary.head_bytes = _store_bytes(url), _head_bytes(url)
     summary.seconds = time.perf_counter() - started
-    return summary
 
 
 def _store_bytes(url: str) -> int:
