@@ -1,8 +1,11 @@
-"""Evaluation prompts: MT-Bench `question.jsonl` (`turns`), JSONL with `prompt`, or with `messages`.
+"""Prompt files: MT-Bench `question.jsonl` (`turns`), `{"prompt": ...}`, `messages` or ShareGPT
+`conversations`, parsed by one function for evaluation and for regeneration.
 
-Each line becomes a `PromptItem`: some fixed leading messages plus one or more user turns that are asked
-one after the other, each answer carried into the next turn's context (MT-Bench's second turns refer to
-the first answer). The target's chat template turns a conversation into token ids.
+`parse_prompt_record` checks one record's shape and text and returns its messages; each user of it
+decides what to ask. Evaluation (`load_prompts`) makes a `PromptItem`: fixed leading messages plus user
+turns asked one after the other, each answer carried into the next turn's context (MT-Bench's second
+turns refer to the first answer). Regeneration (`pipeline.regenerate.prompts`) keeps the system prompt
+and every user turn. The target's chat template turns a conversation into token ids.
 """
 from __future__ import annotations
 
@@ -14,6 +17,103 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# Why a prompt record can be unusable (regeneration writes these keys to its rejects file).
+PROMPT_REJECT_REASONS: dict[str, str] = {
+    "not_an_object": "a record that is not a JSON object / mapping",
+    "missing_field": "none of `conversations`, `messages`, `turns` or `prompt`, or a turn without role/content",
+    "wrong_type": "a field of the wrong type (e.g. a turn's content that is not a string)",
+    "unknown_role": "a turn whose role is not user/assistant/system (e.g. tool, function)",
+    "invalid_text": "text that is not valid Unicode (e.g. a lone surrogate escape such as \\ud800)",
+    "no_user_turn": "a record without a non-empty user turn to answer",
+}
+# Role names seen in ShareGPT-style crawls, mapped to chat-template roles (extraction reads chats with it too).
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+              "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+              "system": "system", "developer": "system"}
+_SHAPES = ("conversations", "messages", "turns", "prompt")  # looked for in this order
+_CHAT_KEYS = {"conversations": ("from", "value"), "messages": ("role", "content")}
+
+
+class PromptRecordError(ValueError):
+    """One record that cannot be used as a prompt; `reason` is a key of PROMPT_REJECT_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class ParsedPrompt:
+    """One prompt record: its id (None when it has no usable one), its shape and its messages in order.
+
+    `shape` is the key the messages came from; user and system contents are checked strings, assistant
+    contents are kept as stored (regeneration discards them, evaluation checks the ones it keeps).
+    """
+
+    prompt_id: str | None
+    shape: str
+    messages: tuple[dict[str, Any], ...]
+
+
+def parse_prompt_record(obj: Any, *, keep_unknown_roles: bool = False) -> ParsedPrompt:
+    """Check one prompt record and return its messages, or raise `PromptRecordError`.
+
+    Roles are mapped through ROLE_NAMES (ShareGPT's human/gpt become user/assistant). Any other role is
+    refused, or with `keep_unknown_roles` passed on as written (evaluation hands tool messages of a
+    stored history to the chat template).
+    """
+    if not isinstance(obj, dict):
+        raise PromptRecordError("not_an_object", f"record is {type(obj).__name__}")
+    raw_id = obj.get("id", obj.get("question_id"))
+    prompt_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) else None
+    shape = next((key for key in _SHAPES if obj.get(key) is not None), None)
+    if shape is None:
+        raise PromptRecordError("missing_field", "no 'turns', 'prompt', 'messages' or 'conversations' key; "
+                                "expected MT-Bench question.jsonl lines, {\"prompt\": ...}, "
+                                "{\"messages\": [...]} or {\"conversations\": [...]}")
+    if shape in _CHAT_KEYS:
+        messages = _chat_messages(obj[shape], *_CHAT_KEYS[shape], keep_unknown_roles)
+    elif shape == "turns":
+        if not isinstance(obj["turns"], list):
+            raise PromptRecordError("wrong_type", "`turns` is not a list of strings")
+        messages = tuple({"role": "user", "content": prompt_text(t, "a turn")} for t in obj["turns"])
+    else:
+        messages = ({"role": "user", "content": prompt_text(obj["prompt"], "`prompt`")},)
+    return ParsedPrompt(prompt_id, shape, messages)
+
+
+def prompt_text(value: Any, what: str) -> str:
+    """`value` if it is a string that encodes as UTF-8, else `PromptRecordError` naming `what`."""
+    if not isinstance(value, str):
+        raise PromptRecordError("wrong_type", f"{what} is {type(value).__name__}, not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PromptRecordError("invalid_text", f"{what}: not valid Unicode at character {error.start}") from None
+    return value
+
+
+def _chat_messages(turns: Any, role_key: str, content_key: str,
+                   keep_unknown_roles: bool) -> tuple[dict[str, Any], ...]:
+    if not isinstance(turns, list):
+        raise PromptRecordError("wrong_type", f"turns are {type(turns).__name__}, not a list")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise PromptRecordError("wrong_type", f"a turn is {type(turn).__name__}, not an object")
+        role, content = turn.get(role_key), turn.get(content_key)
+        if role is None or content is None:
+            raise PromptRecordError("missing_field", f"a turn has no `{role_key}` or `{content_key}`")
+        role = prompt_text(role, f"`{role_key}`")
+        if role.lower() in ROLE_NAMES:
+            role = ROLE_NAMES[role.lower()]
+        elif not keep_unknown_roles:
+            raise PromptRecordError("unknown_role", f"role {role!r}")
+        if role != "assistant":
+            content = prompt_text(content, f"a {role} message")
+        messages.append({"role": role, "content": content})
+    return tuple(messages)
+
 
 @dataclass(frozen=True)
 class PromptItem:
@@ -22,27 +122,25 @@ class PromptItem:
     turns: tuple[str, ...]               # user messages, asked in order
 
 
-def _item(line: dict[str, Any], where: str) -> PromptItem:
-    prompt_id = str(line.get("question_id", line.get("id", where)))
-    if "turns" in line:
-        turns = line["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings (MT-Bench question.jsonl)")
-        return PromptItem(prompt_id, (), tuple(turns))
-    if "prompt" in line:
-        if not isinstance(line["prompt"], str):
-            raise ValueError(f"{where}: 'prompt' must be a string")
-        return PromptItem(prompt_id, (), (line["prompt"],))
-    if "messages" in line:
-        messages = [dict(role=m["role"], content=m["content"]) for m in line["messages"]]
-        while messages and messages[-1]["role"] == "assistant":  # a stored answer: we generate our own
+def _item(line: Any, where: str) -> PromptItem:
+    """An evaluation item: prompt-only shapes ask every turn; a stored conversation is kept as the history
+    of its last user message (trailing stored answers are dropped: the target answers for itself)."""
+    try:
+        parsed = parse_prompt_record(line, keep_unknown_roles=True)
+        prompt_id = parsed.prompt_id or where
+        if parsed.shape in ("turns", "prompt"):
+            if not parsed.messages:
+                raise ValueError("'turns' must be a non-empty list of strings (MT-Bench question.jsonl)")
+            return PromptItem(prompt_id, (), tuple(m["content"] for m in parsed.messages))
+        messages = list(parsed.messages)
+        while messages and messages[-1]["role"] == "assistant":
             messages.pop()
         if not messages or messages[-1]["role"] != "user":
-            raise ValueError(f"{where}: 'messages' must end with a user message (after dropping trailing "
-                             "assistant answers)")
-        return PromptItem(prompt_id, tuple(messages[:-1]), (messages[-1]["content"],))
-    raise ValueError(f"{where}: no 'turns', 'prompt' or 'messages' key; expected MT-Bench question.jsonl "
-                     "lines, {\"prompt\": ...} or {\"messages\": [...]}")
+            raise ValueError("'messages' must end with a user message (after dropping trailing assistant answers)")
+        history = tuple(dict(m, content=prompt_text(m["content"], f"a {m['role']} message")) for m in messages[:-1])
+        return PromptItem(prompt_id, history, (messages[-1]["content"],))
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptItem]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from beagle.prompts import ROLE_NAMES
 from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,6 @@ REJECT_REASONS: dict[str, str] = {
     "template_not_prefix_stable": "rendering a prefix of the conversation is not a prefix of the whole",
     "no_loss_tokens": "no assistant token is left (after truncation at --max-length)",
 }
-
-# Role names seen in ShareGPT-style crawls, mapped to chat-template roles.
-ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-              "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
-              "system": "system", "developer": "system"}
 
 
 class RejectRecord(Exception):
