@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.store.atomic import commit_directory
+
 log = logging.getLogger(__name__)
 
 STATE_NAME = "state.json"
@@ -57,8 +59,7 @@ def save_checkpoint(run_dir: Path, *, step: int, model: torch.nn.Module, optimiz
     state = {"step": step, "position": position, "param_groups": groups,
              "generator_device": str(generator.device)}
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    commit_directory(tmp, final, replace=True)  # fsynced, then renamed: a crash leaves old or new, whole
     for old in sorted(p for p in root.glob("step-*") if (p / STATE_NAME).is_file())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint %s", final)

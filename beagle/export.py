@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import Tensor
 
 from beagle.eagle2 import Eagle2Drafter
 from beagle.model import BeagleDrafter, DrafterConfig
+from pipeline.store import atomic
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,9 @@ def save_drafter(directory: str | os.PathLike, model: BeagleDrafter | Eagle2Draf
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    atomic.write_bytes(directory / WEIGHTS_NAME, save(weights, metadata={"format": "pt"}))
     config = {**metadata, **model.config.to_dict(), "drafter_type": getattr(model, "drafter_type", DRAFTER_TYPE)}
-    tmp = directory / (CONFIG_NAME + ".tmp")
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(directory / CONFIG_NAME)
+    atomic.write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     log.info("exported drafter to %s (%d tensors)", directory, len(weights))
 
 

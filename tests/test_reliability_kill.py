@@ -254,24 +254,24 @@ def test_disk_full_at_the_manifest_leaves_an_unfinished_store_and_says_so(ray_ad
     """ENOSPC injected at the driver's last write (the manifest): the CLI says the store is unfinished,
     readers refuse it, and the same command then completes it."""
     from pipeline.cli import main
-    from pipeline.store import writer
+    from pipeline.store import atomic
 
     out = job["root"] / "full-disk"
-    real = writer._write_bytes_atomic
+    real = atomic.write_bytes
 
-    def no_space(fs, path, payload):
-        if path.endswith("manifest.json"):
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real(fs, path, payload)
+    def no_space(path, payload, **options):
+        if str(path).endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, payload, **options)
 
-    monkeypatch.setattr(writer, "_write_bytes_atomic", no_space)
+    monkeypatch.setattr(atomic, "write_bytes", no_space)
     args = _extract_args(job, out, ray_address)[:-3] + ["--no-progress"]  # in-process: use this Ray
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
     assert "No space left on device" in result.output and "unfinished" in result.output, result.output
     with pytest.raises(Exception, match="unfinished store"):
         open_store(str(out))
-    monkeypatch.setattr(writer, "_write_bytes_atomic", real)
+    monkeypatch.setattr(atomic, "write_bytes", real)
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     store = open_store(str(out))

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.demo import mtbench, packages, sharegpt
+from pipeline.store.atomic import commit_directory
 from pipeline.store.hashing import sha256_local_file
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ def prepare_demo(config: PrepareConfig, *, progress: Progress | None = None,
                         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "components": components}
             new_cache.manifest_path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-            _swap_into_place(staging, cache.root)
+            commit_directory(staging, cache.root, replace=True)  # the old cache is moved aside, then deleted
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -184,17 +185,6 @@ def _existing_manifest(cache: DemoCache) -> dict | None:
         logger.info("%s has cache format %r; rebuilding as %s", cache.root, manifest.get("format"), CACHE_FORMAT)
         return {"components": {}}
     return manifest
-
-
-def _swap_into_place(staging: Path, target: Path) -> None:
-    """Rename `staging` to `target`; an existing `target` is moved aside first and deleted after."""
-    if not target.exists():
-        os.rename(staging, target)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f"{target.name}.old-", dir=target.parent))
-    os.rename(target, retired / target.name)
-    os.rename(staging, target)
-    shutil.rmtree(retired, ignore_errors=True)
 
 
 @contextmanager

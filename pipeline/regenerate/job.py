@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from beagle.devices import DTYPES
 from pipeline.extract.forward import target_fingerprint, weight_files
+from pipeline.store import atomic
 from pipeline.store.file_lock import exclusive_lock
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
 from pipeline.regenerate.generation import Answered, GenerateConfig
@@ -148,16 +149,6 @@ def _identity_hash(facts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write aside, flush to disk, rename: readers see the old file or the whole new one."""
-    temporary = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
 def _chunk_path(work: Path, chunk: int) -> Path:
     return work / f"chunk-{chunk:06d}.jsonl"
 
@@ -191,7 +182,7 @@ def _prepare_work_dir(config: RegenerateConfig, facts_hash: str) -> Path:
             shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     if not settings.is_file():
-        _atomic_write(settings, facts_hash + "\n")
+        atomic.write_text(settings, facts_hash + "\n")
     return work
 
 
@@ -278,7 +269,7 @@ def _answer_chunks(config: RegenerateConfig, pending: dict[int, list[PromptRecor
         logger.info("regenerate: %d chunks on %d %s actor(s)", len(rows), pool.workers, pool.kind)
         for row in dataset.iter_rows():
             answered: list[Answered] = pickle.loads(row["answered"])
-            _atomic_write(_chunk_path(work, int(row["chunk"])), _chunk_lines(answered))
+            atomic.write_text(_chunk_path(work, int(row["chunk"])), _chunk_lines(answered))
             chunk_tokens = sum(a.generated_tokens for a in answered)
             tokens += chunk_tokens
             if progress is not None:
@@ -311,12 +302,12 @@ def _assemble(config: RegenerateConfig, read: PromptRead, facts: dict[str, Any],
     rejects.sort(key=lambda r: (order.get(r["source"], 0), r["index"]))
     summary.rejected_by_reason = dict(sorted(Counter(r["reason"] for r in rejects).items()))
     if rejects:
-        _atomic_write(rejects_path(config.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
+        atomic.write_text(rejects_path(config.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
     elif rejects_path(config.out).exists():
         rejects_path(config.out).unlink()
     counts = {key: getattr(summary, key) for key in ("conversations", "turns", "generated_tokens", "unfinished_turns",
                                                      "dropped_turns", "rejected_by_reason")}
-    _atomic_write(manifest_path(config.out), json.dumps(
+    atomic.write_text(manifest_path(config.out), json.dumps(
         {"identity_sha256": facts_hash, **facts, "counts": counts,
          "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
-    _atomic_write(Path(config.out), "".join(line + "\n" for line in conversations))
+    atomic.write_text(Path(config.out), "".join(line + "\n" for line in conversations))

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.store.file_lock import exclusive_lock
+from pipeline.store import atomic
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
+from pipeline.store.file_lock import exclusive_lock
 from pipeline.store.zarr_io import write_hidden_array, write_scale_array, zarr_store
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
         return "complete"
     fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
     if existing is None:
-        _write_bytes_atomic(fs, fmt.join(root, fmt.PENDING), fmt.canonical_json({"dataset_id": dataset_id}))
+        atomic.write_bytes(fmt.join(root, fmt.PENDING), fmt.canonical_json({"dataset_id": dataset_id}), fs=fs)
         return "new"
     return "resume"
 
@@ -130,14 +131,10 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
                                                         "bytes": fs.size(path)}
     info = {"name": name, "index": shard_index, **counts, "bytes": sum(f["bytes"] for f in files.values()),
             "files": files}
-    _write_bytes(fs, fmt.join(build_dir, fmt.SHARD_INFO), fmt.canonical_json(info))
+    atomic.write_bytes(fmt.join(build_dir, fmt.SHARD_INFO), fmt.canonical_json(info), fs=fs)
     if local:
-        _fsync_tree(build_dir)
-        if os.path.exists(final_dir):  # an earlier attempt committed it: identical content, keep that one
-            fs.rm(build_dir, recursive=True)
-        else:
-            os.rename(build_dir, final_dir)
-            _fsync_dir(os.path.dirname(final_dir))
+        # An earlier attempt may have committed this shard already: identical content, keep that one.
+        atomic.commit_directory(build_dir, final_dir, replace=False)
     log.info("committed %s: %d samples, %d tokens", name, counts["samples"], counts["tokens"])
     return info
 
@@ -240,14 +237,14 @@ def write_head_bytes(url: str, payload: bytes) -> None:
     The torch side serialises them (`pipeline.extract.store_tensors.write_head`), so the store stays
     torch-free while the file keeps its format (docs/store-format.md)."""
     fs, root = fmt.open_fs(url)
-    _write_bytes_atomic(fs, fmt.join(root, fmt.HEAD), bytes(payload))
+    atomic.write_bytes(fmt.join(root, fmt.HEAD), bytes(payload), fs=fs)
 
 
 def write_rejects(url: str, rejects: list[Mapping[str, Any]]) -> None:
     """Write `rejects.jsonl`: one JSON object per rejected source record (source, index, reason, ...)."""
     fs, root = fmt.open_fs(url)
     text = "".join(json.dumps(dict(r), sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
-    _write_bytes_atomic(fs, fmt.join(root, fmt.REJECTS), text.encode("utf-8"))
+    atomic.write_bytes(fmt.join(root, fmt.REJECTS), text.encode("utf-8"), fs=fs)
 
 
 def commit_manifest(url: str, *, dataset_id: str, target: dict, tokenizer: dict, capture: dict, source: dict,
@@ -288,8 +285,8 @@ def commit_manifest(url: str, *, dataset_id: str, target: dict, tokenizer: dict,
         "files": files,
         "extra": extra or {},
     }
-    _write_bytes_atomic(fs, fmt.join(root, fmt.MANIFEST),
-                        json.dumps(manifest, indent=1, sort_keys=True).encode())
+    atomic.write_bytes(fmt.join(root, fmt.MANIFEST),
+                       json.dumps(manifest, indent=1, sort_keys=True).encode(), fs=fs)
     _remove_leftovers(fs, root)
     return manifest
 
@@ -354,44 +351,3 @@ def _read_json(fs: Any, path: str) -> dict | None:
         return None
     except ValueError as error:
         raise StoreFormatError(f"{path} is not valid JSON ({error}); delete it or rerun with --overwrite") from None
-
-
-def _write_bytes(fs: Any, path: str, payload: bytes) -> None:
-    if not fmt.is_local(fs):
-        with fs.open(path, "wb") as handle:
-            handle.write(payload)
-        return
-    with open(path, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _write_bytes_atomic(fs: Any, path: str, payload: bytes) -> None:
-    """Write then rename on local disk; object stores make single-object puts atomic themselves."""
-    if not fmt.is_local(fs):
-        _write_bytes(fs, path, payload)
-        return
-    temporary = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    _write_bytes(fs, temporary, payload)
-    os.replace(temporary, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_tree(directory: str) -> None:
-    for folder, _, names in os.walk(directory):
-        for name in names:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(folder)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
