@@ -26,8 +26,9 @@ setup(
     ],
     extras_require={
         # moto's S3 server (on 127.0.0.1) and s3fs test the object-store path end to end.
+        # import-linter: tests/test_layers.py checks the one-way layers of .importlinter.
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "moto[server]>=5", "s3fs>=2024.2",
-                "accelerate>=0.30"],
+                "accelerate>=0.30", "import-linter>=2.1"],
         # Targets too big for one GPU: --device-map auto.
         "multi-gpu": ["accelerate>=0.30"],
         "demo": ["gguf>=0.10"],
