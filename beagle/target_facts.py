@@ -119,8 +119,13 @@ def architecture_values(arch: Mapping[str, Any]) -> dict[str, Any]:
         from transformers import AutoConfig
 
         values = dict(arch)
-        config = AutoConfig.for_model(values.pop("model_type"), **values)
-        return facts_from_config(config, where="the target config").architecture()
+        model_type = values.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **values)
+        except ValueError:  # a model_type with its own code (trust_remote_code): read the dict as it is
+            logger.debug("transformers does not know model_type %r; reading its config dict as stored", model_type)
+        else:
+            return facts_from_config(config, where=f"the {model_type} config").architecture()
     return derive(dict(arch))
 
 

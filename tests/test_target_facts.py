@@ -93,6 +93,8 @@ def test_hf_config_dicts_and_manifest_dicts_size_the_same_drafter(tmp_path):
     assert DrafterConfig.from_architecture(config.to_dict()) == DrafterConfig.from_architecture(facts.architecture())
     partial = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 50}
     assert architecture_values(partial)["head_dim"] == 8 and architecture_values(partial)["num_key_value_heads"] == 4
+    custom = {**partial, "model_type": "has-its-own-code", "rope_parameters": {"rope_theta": 5.0}}
+    assert architecture_values(custom)["rope_theta"] == 5.0  # a remote-code config dict is read as stored
 
 
 def test_generation_config_eos_ids_join_the_config_ones(tmp_path):
