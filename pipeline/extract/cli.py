@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import click
 
+from beagle.devices import DTYPES
 from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
 from pipeline.ray_session import quiet_ray_loggers
 
@@ -56,7 +57,7 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
                    "what the LM head reads). Comma-separated.")
 @click.option("--max-length", default=2048, show_default=True, help="Truncate samples at this many tokens.")
 @click.option("--dtype", default="bfloat16", show_default=True,
-              type=click.Choice(["bfloat16", "float16", "float32"]), help="Model and stored dtype.")
+              type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
 @click.option("--batch-tokens", default=16384, show_default=True,
               help="Padded tokens per forward batch (rows x longest sample).")
 @click.option("--num-workers", type=int, default=None,
