@@ -29,11 +29,22 @@ class Batch:
     lengths: Tensor        # [B] int64 true lengths
     row_start: int = 0                # data parallel: first row of this micro-batch in the global batch
     global_rows: int | None = None    # rows of the global batch (None: this batch is the global batch)
+    key_states: Tensor | None = None  # [B, L, n_layers * d] float32: the key layers, for fused keys
 
     def to(self, device: torch.device) -> "Batch":
+        key_states = None if self.key_states is None else self.key_states.to(device, non_blocking=True)
         return Batch(*(t.to(device, non_blocking=True) for t in
                        (self.input_ids, self.loss_mask, self.hidden, self.lengths)),
-                     self.row_start, self.global_rows)
+                     self.row_start, self.global_rows, key_states)
+
+    def key_input(self, fused: bool) -> Tensor:
+        """What a drafter's true keys are made of: the key layers' states for fused keys, else `hidden`."""
+        if not fused:
+            return self.hidden
+        if self.key_states is None:
+            raise ValueError("the drafter fuses several target layers but this batch carries the last layer "
+                             "only; read the stores with StoreSet(..., fuse_layers=True)")
+        return self.key_states
 
     def noise(self, generator: torch.Generator | None, draw: Any = torch.randn) -> Tensor:
         """[B, L, d] noise drawn for the whole global batch, keeping this micro-batch's rows: every rank
@@ -61,9 +72,12 @@ def _describe(store_url: str, target: dict) -> str:
 class StoreSet:
     """One or more stores of the same target, read as one list of samples."""
 
-    def __init__(self, urls: list[str], *, cache_dir: str | None = None, verify: bool = True) -> None:
+    def __init__(self, urls: list[str], *, cache_dir: str | None = None, verify: bool = True,
+                 fuse_layers: bool = False) -> None:
         """verify: hash each store file on its first read (a corrupted or foreign file stops training,
-        named, before any of its bytes reach a batch); see docs/reliability.md."""
+        named, before any of its bytes reach a batch); see docs/reliability.md.
+        fuse_layers: samples also carry every captured layer's states (`key_layers` order), concatenated,
+        for a drafter with fused keys."""
         if not urls:
             raise ValueError("no --store given; pass at least one feature store written by `extract`")
         self.urls = [str(u) for u in urls]
@@ -78,6 +92,8 @@ class StoreSet:
                 raise ValueError(f"hidden_size differs: {self.urls[0]} has {first.hidden_size}, "
                                  f"{url} has {store.hidden_size}")
         self._layer = [self._pick_layer(u, s.layers) for u, s in zip(self.urls, self.stores)]
+        self.key_layers = self._fusable_layers() if fuse_layers else (-1,)
+        self._key_index = [[list(s.layers).index(layer) for layer in self.key_layers] for s in self.stores]
         sizes = [len(s) for s in self.stores]
         self._starts = np.cumsum([0] + sizes)
         self.lengths = np.concatenate([s.lengths for s in self.stores]) if sizes else np.zeros(0, np.int64)
@@ -91,6 +107,18 @@ class StoreSet:
             return layers.index(-1)
         raise ValueError(f"{url} captured layers {layers} but not -1 (the state the LM head reads); "
                          "re-extract with the default capture")
+
+    def _fusable_layers(self) -> tuple[int, ...]:
+        """The layers every store captured, in depth order with -1 (after the final norm) last."""
+        captured = [set(s.layers) for s in self.stores]
+        common = set.intersection(*captured)
+        if any(c != common for c in captured):
+            raise ValueError(f"the stores captured different layers ({[sorted(c) for c in captured]}); fused keys "
+                             "need the same layers in every store")
+        if len(common) < 2:
+            raise ValueError(f"{self.urls[0]} captured only layer(s) {sorted(common)}; fused keys need several: "
+                             "re-extract with e.g. `--layers 8,16,-1`, or train without --fuse-layers")
+        return tuple(sorted(common - {-1})) + (-1,)
 
     @property
     def target(self) -> dict:
@@ -110,12 +138,17 @@ class StoreSet:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def sample(self, index: int, limit: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(input_ids [L], loss_mask [L], hidden [L, d] float32), truncated to `limit` tokens."""
+    def sample(self, index: int, limit: int) -> tuple[Tensor, ...]:
+        """(input_ids [L], loss_mask [L], hidden [L, d] float32), truncated to `limit` tokens; with fused
+        key layers also key_states [L, n_layers * d] float32."""
         which = int(np.searchsorted(self._starts, index, side="right") - 1)
         s = self.stores[which][int(index - self._starts[which])]
         hidden = s["hidden_states"][self._layer[which], :limit]
-        return s["input_ids"][:limit], s["loss_mask"][:limit], hidden.to(torch.float32)
+        fields = (s["input_ids"][:limit], s["loss_mask"][:limit], hidden.to(torch.float32))
+        if len(self.key_layers) == 1:
+            return fields
+        layers = s["hidden_states"][self._key_index[which], :limit]                 # [n, L, d]
+        return (*fields, layers.transpose(0, 1).reshape(layers.shape[1], -1).to(torch.float32))
 
     def state_rms(self, max_samples: int, limit: int) -> float:
         """RMS of the target states over the first samples: the scale the key noise is relative to."""
@@ -150,20 +183,25 @@ def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int,
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def collate(samples: list[tuple[Tensor, Tensor, Tensor]], *, pad_to: int = 0, hidden_size: int = 0) -> Batch:
+def collate(samples: list[tuple[Tensor, ...]], *, pad_to: int = 0, hidden_size: int = 0,
+            key_width: int = 0) -> Batch:
     """Pad to the longest sample (or `pad_to` if longer: data-parallel micro-batches share the global
-    batch's length). `hidden_size` gives the width when `samples` is empty."""
+    batch's length). `hidden_size` (and `key_width` for fused keys) give the widths when `samples` is empty."""
     B = len(samples)
     L = max([int(s[0].shape[0]) for s in samples] + [pad_to])
     d = samples[0][2].shape[-1] if samples else hidden_size
+    fused = samples[0][3].shape[-1] if samples and len(samples[0]) > 3 else key_width
     ids = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.bool)
     hidden = torch.zeros(B, L, d, dtype=torch.float32)
+    key_states = torch.zeros(B, L, fused, dtype=torch.float32) if fused else None
     lengths = torch.zeros(B, dtype=torch.long)
-    for b, (i, m, h) in enumerate(samples):
+    for b, (i, m, h, *keys) in enumerate(samples):
         n = i.shape[0]
         ids[b, :n], mask[b, :n], hidden[b, :n], lengths[b] = i, m, h, n
-    return Batch(ids, mask, hidden, lengths)
+        if keys:
+            key_states[b, :n] = keys[0]
+    return Batch(ids, mask, hidden, lengths, key_states=key_states)
 
 
 class Loader:
@@ -185,8 +223,10 @@ class Loader:
 
         lo, hi = shard_bounds(len(rows), rank, world)
         longest = max(min(int(self.data.lengths[i]), self.limit) for i in rows)
+        fused = len(self.data.key_layers)
         batch = collate([self.data.sample(i, self.limit) for i in rows[lo:hi]], pad_to=longest,
-                        hidden_size=self.data.hidden_size)
+                        hidden_size=self.data.hidden_size,
+                        key_width=fused * self.data.hidden_size if fused > 1 else 0)
         batch.row_start, batch.global_rows = lo, len(rows)
         return batch
 

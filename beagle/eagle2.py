@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from beagle.data import Batch
 from beagle.losses import LossSums, drafter_loss_sums
-from beagle.model import DrafterConfig, RMSNorm, SwiGLU, _SDPA_HAS_GQA, loss_head, register_frozen_head, rotary
+from beagle.model import (DrafterConfig, LayerFusion, RMSNorm, SwiGLU, _SDPA_HAS_GQA, fuse_key_states, loss_head,
+                          register_frozen_head, rotary)
 
 DRAFTER_TYPE = "eagle2"
 # EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; our losses are CE + regression_weight·SmoothL1 (10 by default).
@@ -50,6 +51,9 @@ class Eagle2Drafter(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        # EAGLE-3 style input: true states are a fusion of several target layers (its own predicted
+        # states deeper in a draft enter where the fused vector would be).
+        self.layer_fusion = LayerFusion(c) if c.fused else None
 
     def fuse(self, tokens: Tensor, previous_states: Tensor) -> Tensor:
         """z = fc([Emb(t_p), h_{p-1}]): tokens [B, L], previous_states [B, L, d] -> [B, L, d]."""
@@ -142,7 +146,8 @@ class Eagle2KeyCache:
         return self._length
 
     def append(self, states: Tensor, positions: Tensor, tokens: Tensor) -> None:
-        """states [L, d], positions [L], tokens [L]."""
+        """states [L, n_layers * d] (the key layers, concatenated), positions [L], tokens [L]."""
+        states = fuse_key_states(self._drafter, states)                          # [L, d]
         previous = states[:-1]
         if self.last_state is not None:
             previous = torch.cat([self.last_state[None], previous])
@@ -157,13 +162,13 @@ class Eagle2KeyCache:
         self._length += states.shape[0]
 
 
-def uniform_noise(batch: Batch, width: float, generator: torch.Generator | None) -> Tensor:
-    """EAGLE's feature noise: U(-width/2, width/2) added to every state of `batch.hidden` [B, L, d].
+def uniform_noise(states: Tensor, batch: Batch, width: float, generator: torch.Generator | None) -> Tensor:
+    """EAGLE's feature noise: U(-width/2, width/2) added to every true state [B, L, d] of `batch`.
 
     Drawn through `Batch.noise`, so under DDP each row gets the noise a one-process run gives it."""
     if width <= 0:
-        return batch.hidden
-    return batch.hidden + (batch.noise(generator, draw=torch.rand) - 0.5) * width
+        return states
+    return states + (batch.noise(generator, draw=torch.rand) - 0.5) * width
 
 
 def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, generator: torch.Generator | None = None
@@ -172,7 +177,7 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
 
     LOSS_SCALE · (CE + regression_weight · SmoothL1) = 1.0·SmoothL1 + 0.1·CE at the default weight 10."""
     B, L, d = batch.hidden.shape
-    states = uniform_noise(batch, settings.noise_std, generator)
+    states = uniform_noise(fuse_key_states(model, batch.key_input(model.config.fused)), batch, settings.noise_std, generator)
     hidden = model.forward_sequence(batch.input_ids, states, batch.lengths)             # [B, L, d]
     weight = torch.zeros(B, L, device=hidden.device)
     weight[:, 1:-1] = batch.loss_mask[:, 2:].float()    # row p predicts t_{p+1}; row 0 has no state

@@ -42,8 +42,15 @@ class DrafterConfig:
     vocab_size: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # Target layers whose states make a key (HF hidden_states indices, -1 = after the final norm, always
+    # last). More than one: the keys of true positions come from a fusion of these layers (docs/training.md).
+    key_layers: tuple[int, ...] = (-1,)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "key_layers", tuple(int(layer) for layer in self.key_layers))
+        if not self.key_layers or self.key_layers[-1] != -1 or len(set(self.key_layers)) != len(self.key_layers):
+            raise ValueError(f"key_layers={list(self.key_layers)} must be distinct layers ending with -1 "
+                             "(the state the LM head reads)")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -73,7 +80,13 @@ class DrafterConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["key_layers"] = list(self.key_layers)
+        return d
+
+    @property
+    def fused(self) -> bool:
+        return len(self.key_layers) > 1
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
@@ -134,6 +147,41 @@ def register_frozen_head(module: nn.Module, config: DrafterConfig, embed_tokens:
     module.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
 
 
+class LayerFusion(nn.Module):
+    """Keys from several target layers: their states, concatenated, mapped by one linear map to width d.
+
+    It starts as "take the last layer": the last layer's block of the map is the identity and the others
+    are zero, so a fused drafter begins exactly where a last-layer drafter does and learns what the other
+    layers add. The drafter's own predicted states are last-layer estimates and skip the map."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.proj = nn.Linear(len(config.key_layers) * config.hidden_size, config.hidden_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        d = self.config.hidden_size
+        with torch.no_grad():
+            self.proj.weight.zero_()
+            self.proj.weight[:, -d:] = torch.eye(d)
+
+    def forward(self, states: Tensor) -> Tensor:
+        """[..., n_layers * d] (in key_layers order) -> [..., d]."""
+        expected = self.proj.in_features
+        if states.shape[-1] != expected:
+            raise ValueError(f"the drafter fuses layers {list(self.config.key_layers)} ({expected} values per "
+                             f"position) but got states of width {states.shape[-1]}; feed it the states of "
+                             "exactly those layers, concatenated")
+        return self.proj(states)
+
+
+def fuse_key_states(module: nn.Module, states: Tensor) -> Tensor:
+    """True key states of a drafter: [..., n_layers * d] fused to [..., d]; [..., d] as is when unfused."""
+    fusion = getattr(module, "layer_fusion", None)
+    return states if fusion is None else fusion(states)
+
+
 def restrict_loss_vocabulary(module: nn.Module, tokens: Tensor) -> None:
     """Train the token loss over `tokens` [N] (a reduced draft vocabulary) instead of the full LM head.
 
@@ -166,12 +214,15 @@ class BeagleDrafter(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.layer_fusion = LayerFusion(c) if c.fused else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
+        if self.layer_fusion is not None:
+            self.layer_fusion.reset_parameters()
 
     def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Target (or predicted) states [B, Lk, d] at positions [B, Lk] -> k, v [B, H_kv, Lk, hd].
@@ -183,6 +234,11 @@ class BeagleDrafter(nn.Module):
         k = self.k_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         return rotary(k, positions, c.rope_theta), v
+
+    def project_true_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys of true target states [B, Lk, n_layers * d] (the key layers, concatenated): fused, then
+        projected like any state."""
+        return self.project_keys(fuse_key_states(self, states), positions)
 
     def forward_hidden(self, input_ids: Tensor, positions: Tensor, k: Tensor, v: Tensor,
                        attn_mask: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from beagle.data import Batch
 from beagle.losses import DepthSums, LossSums, beta_weights, depth_sums, drafter_loss_sums
 from beagle.masks import depth, depth_positions, stage1_mask, stage2_mask, window_index
-from beagle.model import BeagleDrafter, loss_head
+from beagle.model import BeagleDrafter, fuse_key_states, loss_head
 from beagle.train_config import TrainConfig
 
 
@@ -55,9 +55,12 @@ def _row_weights(batch: Batch, offset: int, window_size: int) -> Tensor:
 
 def noisy_keys(model: BeagleDrafter, batch: Batch, noise_std: float,
                generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Project the (noised) true states once: k, v [B, H_kv, L, hd] and positions [B, L]."""
+    """Project the (noised) true states once: k, v [B, H_kv, L, hd] and positions [B, L].
+
+    A drafter with fused keys fuses the key layers first; the noise is added in the fused space, the one
+    its own predicted states are fed back into in stage 2."""
     B, L, d = batch.hidden.shape
-    states = batch.hidden
+    states = fuse_key_states(model, batch.key_input(model.config.fused))                                            # [B, L, d]
     if noise_std > 0:
         states = states + noise_std * batch.noise(generator)                                      # [B, L, d]
     positions = torch.arange(L, device=states.device).expand(B, L)

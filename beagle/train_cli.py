@@ -41,6 +41,9 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
 @click.option("--lr", type=float, help="Peak learning rate. [3e-5]")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps. [2000]")
 @click.option("--noise-std", type=float, help="Key noise std as a fraction of the states' RMS. [0.2]")
+@click.option("--fuse-layers/--no-fuse-layers", default=None,
+              help="Make true keys from a fusion of every layer the stores captured (extract --layers 8,16,-1), "
+                   "EAGLE-3 style; the drafter still predicts and is scored on the last layer. [no]")
 @click.option("--detach-feedback/--no-detach-feedback", default=None,
               help="Cut gradients through fed-back predicted states in stage 2. [no]")
 @click.option("--vocab-chunk", type=int, help="Vocabulary rows per soft cross-entropy chunk. [8192]")
@@ -49,6 +52,9 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
                    "times faster on CPU; the export records them and `eval` drafts over the same. [0]")
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints. [500]")
 @click.option("--device", help="auto, cpu, cuda or cuda:N. [auto]")
+@click.option("--bf16/--no-bf16", default=None,
+              help="bf16 autocast (weights and optimizer state stay fp32). [on where the hardware multiplies "
+                   "bf16 natively: CUDA, or a CPU with AMX/AVX512-BF16]")
 @click.option("--seed", type=int, help="Seed for init, batch order, offsets and noise. [0]")
 @click.option("--cache-dir", type=click.Path(file_okay=False),
               help="Local folder caching the files read from remote (fsspec URL) stores.")

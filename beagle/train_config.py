@@ -29,6 +29,7 @@ class TrainConfig:
     regression_weight: float = 10.0       # SmoothL1 weight relative to the soft cross-entropy
     detach_feedback: bool = False         # cut gradients through fed-back predicted states
     stage2_recompute: bool = True         # recompute each stage-2 step in backward: memory flat in s
+    fuse_layers: bool = False             # keys from a fusion of every layer the stores captured (EAGLE-3 style)
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length)
     max_length: int | None = None         # truncate samples; default batch_tokens

@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -136,7 +136,7 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
                ctx: distributed.DistContext, verify_store: bool) -> _Run:
     """Open the stores, check or create the run directory, build the drafter and its optimizer, and
     restore the latest checkpoint when resuming."""
-    data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store)
+    data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store, fuse_layers=config.fuse_layers)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     config = _check_run_dir(run_dir, config, data, resume=resume, checkpoint=checkpoint)
     distributed.barrier(ctx)  # every rank has checked run_dir before rank 0 writes into it
@@ -180,7 +180,7 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
                    ) -> tuple[torch.nn.Module, DrafterConfig, torch.Tensor | None]:
     """The drafter on `device` with the target's frozen head, seeded; its loss head is restricted to
     the draft vocabulary when one is asked for, and kept once in the training dtype."""
-    drafter_config = DrafterConfig.from_architecture(data.target["architecture"])
+    drafter_config = replace(DrafterConfig.from_architecture(data.target["architecture"]), key_layers=data.key_layers)
     if data.hidden_size != drafter_config.hidden_size:
         raise ValueError(f"store hidden_size {data.hidden_size} != target architecture hidden_size "
                          f"{drafter_config.hidden_size} in {data.urls[0]}")

@@ -50,20 +50,22 @@ def _sequences(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> lis
 
 def build_tiny_store(path: str | Path, *, num_samples: int = 24, min_len: int = 12, max_len: int = 40,
                      seed: int = 0, model_seed: int = 0, dtype: str = "float32",
-                     model: LlamaForCausalLM | None = None, **arch_overrides) -> str:
+                     model: LlamaForCausalLM | None = None, layers: tuple[int, ...] = (-1,),
+                     **arch_overrides) -> str:
     """Write a store of `num_samples` sequences; loss_mask covers the second half of each sequence
-    (the "assistant" part). Returns the store path."""
+    (the "assistant" part); `layers` are HF hidden_states indices (-1 = after the final norm), as
+    `extract --layers` captures them. Returns the store path."""
     model = model or tiny_target(model_seed, **arch_overrides)
     cfg = model.config
     samples = []
     with torch.no_grad():
         for i, ids in enumerate(_sequences(num_samples, cfg.vocab_size, seed, min_len, max_len)):
             out = model(input_ids=ids[None], output_hidden_states=True)
-            hidden = out.hidden_states[-1][0]                                   # [L, d]
+            hidden = torch.stack([out.hidden_states[layer][0] for layer in layers])  # [n_layers, L, d]
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[len(ids) // 2:] = True
             samples.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": mask,
-                            "hidden_states": hidden[None].to(getattr(torch, dtype))})
+                            "hidden_states": hidden.to(getattr(torch, dtype))})
     weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     target = {
         "name": f"tiny-llama-{model_seed}",
@@ -75,6 +77,6 @@ def build_tiny_store(path: str | Path, *, num_samples: int = 24, min_len: int = 
                 head={"embed_tokens": model.get_input_embeddings().weight.detach().clone(),
                       "lm_head": model.get_output_embeddings().weight.detach().clone()},
                 target=target, tokenizer={"name": "none", "vocab_size": cfg.vocab_size},
-                capture={"layers": [-1], "dtype": dtype, "max_length": max_len},
+                capture={"layers": list(layers), "dtype": dtype, "max_length": max_len},
                 source={"name": "random-walk", "seed": seed, "num_samples": num_samples})
     return str(path)

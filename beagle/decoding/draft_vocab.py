@@ -78,11 +78,15 @@ class ReducedVocabDrafter(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.config = drafter.config
+        self.layer_fusion = getattr(drafter, "layer_fusion", None)  # shared: fused keys fuse as the drafter does
         self.register_buffer("tokens", tokens.to(drafter.lm_head.device), persistent=False)
         self.register_buffer("head", drafter.lm_head[self.tokens].contiguous(), persistent=False)  # [N, d]
 
     def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.drafter.project_keys(states, positions)
+
+    def project_true_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.drafter.project_true_keys(states, positions)
 
     def forward_hidden(self, input_ids, positions, k, v, attn_mask) -> Tensor:
         return self.drafter.forward_hidden(input_ids, positions, k, v, attn_mask)

@@ -103,10 +103,11 @@ class SpeculativeSession:
         self.draft_cache = self.backend.cache
         self.token: int | None = None
         self._drafter_dtype = next(drafter.parameters()).dtype
+        self._key_layers = tuple(getattr(getattr(drafter, "config", None), "key_layers", (-1,)))
 
     def prefill(self, prompt_ids: torch.Tensor) -> int:
         """Run the prompt `[P]` through the target, seed the drafter's cache, return the first new token."""
-        output = run_target(self.model, self.cache, prompt_ids)
+        output = run_target(self.model, self.cache, prompt_ids, layers=self._key_layers)
         positions = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
         self.backend.append(output.hidden.to(self._drafter_dtype), positions, prompt_ids)
         self.token = _choose(output.logits[-1], self.config.temperature, self.generator)
@@ -120,7 +121,7 @@ class SpeculativeSession:
         past = cache_length(self.cache)
         device = self.cache.layers[0].keys.device
         tree = build_draft_tree(self.backend, self.token, past, self.config, self.generator)
-        output = verify_tree(self.model, self.cache, tree, past)
+        output = verify_tree(self.model, self.cache, tree, past, self._key_layers)
         if self.config.temperature > 0:
             acceptance = sample_accept(tree, output.logits, self.config.temperature, self.generator)
         else:

@@ -49,8 +49,9 @@ class DraftKeyCache:
         return 0 if self.keys is None else self.keys.shape[-2]
 
     def append(self, states: torch.Tensor, positions: torch.Tensor) -> None:
-        """Project and append true states `[L, d]` at absolute `positions` `[L]`."""
-        keys, values = self._drafter.project_keys(states[None], positions[None])  # [1, H_kv, L, hd] each
+        """Project and append true states `[L, n_layers * d]` (the key layers, concatenated; `[L, d]` for the
+        last layer alone) at absolute `positions` `[L]`."""
+        keys, values = self._drafter.project_true_keys(states[None], positions[None])  # [1, H_kv, L, hd] each
         if self.keys is None:
             self.keys, self.values = keys, values
         else:

@@ -48,6 +48,11 @@ def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.d
         if meta.get(key) is not None and int(meta[key]) != int(actual):
             raise ValueError(f"drafter {drafter_dir} was trained for {key}={meta[key]} but the target has "
                              f"{key}={actual}; pass the --model the drafter was trained on")
+    layers = getattr(target_config, "num_hidden_layers", None)
+    deeper = [layer for layer in meta.get("key_layers", [-1]) if layer != -1 and layers is not None and layer >= layers]
+    if deeper:
+        raise ValueError(f"drafter {drafter_dir} fuses target layers {meta['key_layers']} but the target has "
+                         f"{layers} layers; pass the --model the drafter was trained on")
     trained_for = (meta.get("target") or {}).get("config_sha256")
     model_config = Path(getattr(target_config, "_name_or_path", "") or "") / "config.json"
     if trained_for and model_config.is_file():

@@ -21,7 +21,7 @@ from beagle.decoding.tree import DraftTree
 @dataclass(frozen=True)
 class TargetOutput:
     logits: torch.Tensor  # [L, V] next-token logits after each input token
-    hidden: torch.Tensor  # [L, d] last hidden state (after the final norm) of each input token
+    hidden: torch.Tensor  # [L, n_layers * d] states of the drafter's key layers, concatenated ([L, d] for -1 alone)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
@@ -45,13 +45,14 @@ def check_supported(model: torch.nn.Module) -> None:
 
 def run_target(model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Tensor,
                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-               hidden: bool = True) -> TargetOutput:
-    """One target forward over `input_ids` `[L]` that appends to `cache`; returns logits and last states."""
+               hidden: bool = True, layers: tuple[int, ...] = (-1,)) -> TargetOutput:
+    """One target forward over `input_ids` `[L]` that appends to `cache`; returns logits and the states of
+    `layers` (HF hidden_states indices, -1 = after the final norm), concatenated in that order."""
     outputs = model(input_ids=input_ids[None],
                     position_ids=None if position_ids is None else position_ids[None],
                     attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden,
                     **{_cache_keyword(model): cache})
-    states = outputs.hidden_states[-1][0] if hidden else None  # [L, d]
+    states = torch.cat([outputs.hidden_states[layer][0] for layer in layers], dim=-1) if hidden else None
     return TargetOutput(logits=outputs.logits[0], hidden=states)
 
 
@@ -69,9 +70,10 @@ def tree_attention_mask(parents: torch.Tensor, past_length: int, dtype: torch.dt
     return mask[None, None]
 
 
-def verify_tree(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree, past_length: int) -> TargetOutput:
+def verify_tree(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree, past_length: int,
+                layers: tuple[int, ...] = (-1,)) -> TargetOutput:
     """Run the target once over every tree position; the cache then holds past + all N+1 positions."""
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(tree.parents, past_length, dtype, tree.tokens.device)
     positions = past_length + tree.depths  # [N+1]
-    return run_target(model, cache, tree.tokens, positions, mask)
+    return run_target(model, cache, tree.tokens, positions, mask, layers=layers)
