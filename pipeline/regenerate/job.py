@@ -139,8 +139,9 @@ def identity(config: RegenerateConfig, read: PromptRead) -> dict[str, Any]:
     generate = asdict(config.generate)
     for machine_only in ("model_path", "device", "threads", "trust_remote_code"):
         generate.pop(machine_only)
-    return {"version": REGENERATE_VERSION, "target": target_fingerprint(config.generate.model_path,
-                                                                         config.generate.dtype),
+    target = target_fingerprint(config.generate.model_path, config.generate.dtype,
+                                trust_remote_code=config.generate.trust_remote_code)
+    return {"version": REGENERATE_VERSION, "target": target,
             "generate": generate, "chunk_size": config.chunk_size, "limit": config.limit,
             "sources": read.sources}
 
