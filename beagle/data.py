@@ -73,11 +73,11 @@ class StoreSet:
     """One or more stores of the same target, read as one list of samples."""
 
     def __init__(self, urls: list[str], *, cache_dir: str | None = None, verify: bool = True,
-                 fuse_layers: bool = False) -> None:
+                 fuse_layers: bool = False, key_layers: tuple[int, ...] | None = None) -> None:
         """verify: hash each store file on its first read (a corrupted or foreign file stops training,
         named, before any of its bytes reach a batch); see docs/reliability.md.
         fuse_layers: samples also carry every captured layer's states (`key_layers` order), concatenated,
-        for a drafter with fused keys."""
+        for a drafter with fused keys; `key_layers` names those layers instead (a trained drafter's)."""
         if not urls:
             raise ValueError("no --store given; pass at least one feature store written by `extract`")
         self.urls = [str(u) for u in urls]
@@ -92,7 +92,12 @@ class StoreSet:
                 raise ValueError(f"hidden_size differs: {self.urls[0]} has {first.hidden_size}, "
                                  f"{url} has {store.hidden_size}")
         self._layer = [self._pick_layer(u, s.layers) for u, s in zip(self.urls, self.stores)]
-        self.key_layers = self._fusable_layers() if fuse_layers else (-1,)
+        self.key_layers = tuple(key_layers) if key_layers else self._fusable_layers() if fuse_layers else (-1,)
+        for url, store in zip(self.urls, self.stores):
+            missing = sorted(set(self.key_layers) - set(store.layers))
+            if missing:
+                raise ValueError(f"{url} did not capture layer(s) {missing} (it has {store.layers}); the drafter "
+                                 f"needs {list(self.key_layers)}: re-extract with --layers {','.join(map(str, self.key_layers))}")
         self._key_index = [[list(s.layers).index(layer) for layer in self.key_layers] for s in self.stores]
         sizes = [len(s) for s in self.stores]
         self._starts = np.cumsum([0] + sizes)

@@ -13,7 +13,7 @@ import torch
 
 from beagle.data import StoreSet, collate
 from beagle.eagle2 import Eagle2Drafter
-from beagle.model import BeagleDrafter
+from beagle.model import BeagleDrafter, fuse_key_states
 from beagle.stages import StageSettings, simulate
 
 
@@ -41,7 +41,8 @@ def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int, vocab=None) ->
     B, L, d = batch.hidden.shape
     pos = torch.arange(L)
     positions = pos.expand(B, L)
-    previous = torch.cat([batch.hidden.new_zeros(B, 1, d), batch.hidden[:, :-1]], dim=1)
+    true = fuse_key_states(model, batch.key_input(model.config.fused))                  # [B, L, d]
+    previous = torch.cat([true.new_zeros(B, 1, d), true[:, :-1]], dim=1)
     true_z = model.fuse(batch.input_ids, previous)
     k0, v0 = model.project_fused(true_z, positions)
     keys, values = [k0], [v0]
@@ -74,7 +75,7 @@ def chain_acceptance(model, store_url: str, *, depth: int = 5, samples: int = 16
                      first: int = 0, vocab: torch.Tensor | None = None) -> tuple[float, list[float]]:
     """(τ, [α_1..α_depth]) over `samples` samples of the store starting at index `first`; `vocab` [N]
     restricts drafting to a reduced vocabulary (as `eval` does for a drafter trained with one)."""
-    data = StoreSet([store_url])
+    data = StoreSet([store_url], key_layers=model.config.key_layers)
     head = data.load_head()
     indices = [i % len(data) for i in range(first, first + samples)]
     accepted = [0] * (depth + 1)
