@@ -11,7 +11,7 @@ import torch
 from beagle.decoding.verify import check_supported
 from beagle.devices import DTYPES, pick_device, torch_dtype  # noqa: F401  (eval_cli and bench/decode use these)
 from beagle.export import CONFIG_NAME, load_drafter
-from beagle.target_facts import read_target_facts
+from beagle.target_facts import facts_from_config, read_target_facts
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.d
         if meta.get(key) is not None and int(meta[key]) != int(actual):
             raise ValueError(f"drafter {drafter_dir} was trained for {key}={meta[key]} but the target has "
                              f"{key}={actual}; pass the --model the drafter was trained on")
-    layers = getattr(target_config, "num_hidden_layers", None)
-    deeper = [layer for layer in meta.get("key_layers", [-1]) if layer != -1 and layers is not None and layer >= layers]
+    layers = facts_from_config(model.config, where=f"--model {model.config.name_or_path}").num_hidden_layers
+    deeper = [layer for layer in meta.get("key_layers", [-1]) if layer != -1 and layer >= layers]
     if deeper:
         raise ValueError(f"drafter {drafter_dir} fuses target layers {meta['key_layers']} but the target has "
                          f"{layers} layers; pass the --model the drafter was trained on")
