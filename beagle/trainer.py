@@ -18,6 +18,7 @@ import torch
 from beagle import distributed
 from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
+from beagle.devices import pick_device
 from beagle.eagle2 import Eagle2Drafter, eagle2_loss
 from beagle.export import save_drafter
 from beagle.losses import LossSums
@@ -39,15 +40,6 @@ class TrainResult:
     run_dir: Path
     steps: int
     final_metrics: dict[str, Any] | None
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available; use --device cpu")
-    return device
 
 
 def _phases(config: TrainConfig) -> list[int]:
