@@ -33,7 +33,7 @@ DRAFT_VOCAB = 8192  # as the demo and bench/quality.py: both drafters train and 
 
 def _split_conversations(workdir: Path, train: int, held_out: int) -> tuple[Path, Path]:
     """The first `train` ShareGPT lines, and the `held_out` lines after them, as two input files."""
-    lines = DEMO_SHAREGPT.read_text(encoding="utf-8").splitlines()
+    lines = DEMO_SHAREGPT.read_text(encoding="utf-8").split("\n")  # not splitlines(): U+2028 may sit inside a record
     first, second = workdir / "train.jsonl", workdir / "held_out.jsonl"
     first.write_text("\n".join(lines[:train]) + "\n", encoding="utf-8")
     second.write_text("\n".join(lines[train:train + held_out]) + "\n", encoding="utf-8")
@@ -82,6 +82,7 @@ def main() -> None:
     _extract(train_data, work / "train-store", args.layers, max_length)
     _extract(held_out_data, work / "held-out-store", args.layers, max_length)
     head = StoreSet([str(work / "train-store")]).load_head()
+    held_out = len(StoreSet([str(work / "held-out-store")]))
     scores = {}
     for drafter in ("beagle", "eagle2"):
         for fused in (False, True):
@@ -89,7 +90,7 @@ def main() -> None:
             path = _train(work / "train-store", work / f"run-{name}", drafter, fused, steps, batch_tokens, max_length)
             model, meta = load_drafter(path, embed_tokens=head["embed_tokens"].float(), lm_head=head["lm_head"].float())
             vocab = torch.tensor(meta["draft_vocab"]) if meta.get("draft_vocab") else None
-            scores[name] = chain_acceptance(model, str(work / "held-out-store"), depth=5, samples=10_000,
+            scores[name] = chain_acceptance(model, str(work / "held-out-store"), depth=5, samples=held_out,
                                             limit=max_length, vocab=vocab)
             print(f"{name}: tau {scores[name][0]:.3f} alpha {[round(a, 3) for a in scores[name][1]]}", flush=True)
     layers = [int(x) for x in args.layers.split(",")]
