@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from beagle.target_facts import token_ids
+
 logger = logging.getLogger(__name__)
 
 # Why a prompt record can be unusable (regeneration writes these keys to its rejects file).
@@ -181,13 +183,7 @@ def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 def eos_token_ids(tokenizer, generation_config=None) -> set[int]:
     """Every id that ends an answer: the tokenizer's EOS and the model's generation_config EOS ids."""
-    ids: set[int] = set()
     candidates = [getattr(tokenizer, "eos_token_id", None)]
     if generation_config is not None:
         candidates.append(getattr(generation_config, "eos_token_id", None))
-    for candidate in candidates:
-        if isinstance(candidate, int):
-            ids.add(candidate)
-        elif isinstance(candidate, (list, tuple)):
-            ids.update(int(c) for c in candidate)
-    return ids
+    return token_ids(candidates)

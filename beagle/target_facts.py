@@ -109,7 +109,7 @@ def facts_from_config(config: Any, *, where: str) -> TargetFacts:
         rope_theta=values["rope_theta"], rope_parameters=values["rope_parameters"],
         layer_types=tuple(str(kind) for kind in layer_types), sliding_window=sliding_window,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        eos_token_ids=tuple(sorted(_ids(eos))))
+        eos_token_ids=tuple(sorted(token_ids(eos))))
 
 
 def architecture_values(arch: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,7 +165,8 @@ def _intermediate_size(text: Any) -> int | None:
     return size
 
 
-def _ids(candidates: list[Any]) -> set[int]:
+def token_ids(candidates: list[Any]) -> set[int]:
+    """The ids among config values that may each be an id, a list of ids, or None (EOS ids are all three)."""
     ids: set[int] = set()
     for candidate in candidates:
         if isinstance(candidate, int):
@@ -186,7 +187,7 @@ def _generation_eos(root: Path) -> set[int]:
     except (ValueError, OSError) as error:
         logger.warning("%s/generation_config.json unreadable (%s); using config.json's EOS ids", root, error)
         return set()
-    return _ids([generation.eos_token_id])
+    return token_ids([generation.eos_token_id])
 
 
 def _config_problem(root: Path, error: Exception) -> str:
