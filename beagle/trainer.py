@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 # Settings a resumed run may change; everything else must match the run being continued.
-_RESUMABLE_CHANGES = {"max_steps", "checkpoint_every", "device", "stage2_epochs"}
+_RESUMABLE_CHANGES = {"max_steps", "checkpoint_every", "device", "stage2_epochs", "bf16"}  # bf16: master weights stay fp32
 
 
 @dataclass(frozen=True)
