@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from beagle.devices import DTYPES
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,9 +77,9 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the summary here.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write a per-depth acceptance bar plot (PNG).")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
               help="Target and drafter dtype. Compare outputs in float32: bf16 is not deterministic enough.")
-@click.option("--drafter-dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"]),
+@click.option("--drafter-dtype", default=None, type=click.Choice(sorted(DTYPES)),
               help="Drafter dtype if not --dtype (bf16 halves its LM-head reads; the target still decides).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
 @click.option("--draft-vocab", default=None, type=click.IntRange(min=0),

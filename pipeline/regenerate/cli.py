@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from beagle.devices import DTYPES
+
 from pipeline.ray_session import quiet_ray_loggers
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import RegenerateConfig, run_regenerate
@@ -52,7 +54,7 @@ class _TqdmProgress:
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling when --temperature > 0.")
 @click.option("--seed", default=0, show_default=True, help="Sampling seed (each chunk uses seed + chunk index).")
 @click.option("--dtype", default="bfloat16", show_default=True,
-              type=click.Choice(["bfloat16", "float16", "float32"]), help="Model dtype while generating.")
+              type=click.Choice(sorted(DTYPES)), help="Model dtype while generating.")
 @click.option("--batch-size", default=32, show_default=True, help="Conversations per generate call.")
 @click.option("--chunk-size", default=128, show_default=True,
               help="Conversations per actor task; a crash loses at most the chunks in flight.")
