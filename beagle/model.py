@@ -1,4 +1,4 @@
-"""The Beagle drafter: one cross-attention block plus a SwiGLU MLP (spec §1).
+"""The Beagle drafter: one cross-attention block plus a SwiGLU MLP (docs/method.md §1).
 
 Queries are the target's token embeddings; keys and values are target hidden states (true ones from
 the store or the verifier, or the drafter's own predictions fed back). The block outputs ĥ_i, a draft
