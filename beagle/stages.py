@@ -1,4 +1,4 @@
-"""The two training stages as forward passes that return a loss (spec §2, §3, §8).
+"""The two training stages as forward passes that return a loss (docs/method.md §2-§4).
 
 Both take a padded batch of true target states T [B, L, d]. Row i (query token t_i at position i)
 predicts h_i and, through the LM head, t_{i+1}; its loss weight is loss_mask[i+1], and rows without a
@@ -112,7 +112,7 @@ def simulate(model: BeagleDrafter, batch: Batch, offset: int, settings: StageSet
     key_valid = torch.arange(L, device=dev)[None, :] < batch.lengths[:, None]   # [B, L]
     pred_keys: list[Tensor] = []       # predicted keys [B, H_kv, Lq, hd], one per earlier step
     pred_values: list[Tensor] = []
-    pred_pos: list[Tensor] = []        # their positions; at most L slots over all steps (spec §3)
+    pred_pos: list[Tensor] = []        # their positions; at most L slots over all steps (docs/method.md §3)
     out = []
     for step in range(1, settings.simulation_steps + 1):
         q_pos = depth_positions(L, k_size, offset, step, dev)                  # [Lq]
