@@ -1,4 +1,4 @@
-"""Attention masks for both training stages (spec §2, §3). True = the query sees the key.
+"""Attention masks for both training stages (docs/method.md §2, §3). True = the query sees the key.
 
 Windows of size k tile the sequence from an offset ε: w(p) = floor((p - ε) / k). A position's depth
 d(p) = (p - ε) mod k + 1 is how many steps ahead of its window's true context n = start - 1 it drafts.
