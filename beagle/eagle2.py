@@ -1,11 +1,11 @@
-"""The EAGLE-2 baseline drafter (spec §7), trained by our trainer from our store for side-by-side figures.
+"""The EAGLE-2 baseline drafter (docs/method.md §7), trained by our trainer from our store for side-by-side figures.
 
     z_p   = fc([Emb(t_p), h̃_{p-1}])                     # Linear(2d -> d): token fused with the PREVIOUS state
     u_p   = z_p + W_o · SelfAttn(z_{≤p})                   # no input norm on this (first) layer, as EAGLE
     ĥ_p   = u_p + MLP(RMSNorm(u_p))                        # draft estimate of h_p; LMHead(ĥ_p) predicts t_{p+1}
 
-Indexing is Beagle's (spec §1): row p carries token t_p and is trained to produce h_p, so both drafters
-share the loss code and the loss index of spec §8 (weight loss_mask[p+1]). EAGLE writes the same thing
+Indexing is Beagle's (docs/method.md §1): row p carries token t_p and is trained to produce h_p, so both drafters
+share the loss code and the loss index of docs/method.md §4.1 (weight loss_mask[p+1]). EAGLE writes the same thing
 as fc([Emb(t_{i+1}), f_i]) -> f_{i+1}; RoPE only sees relative positions, so the shift is immaterial.
 Row 0 has no previous state: it is neither a query in the loss nor a key.
 
