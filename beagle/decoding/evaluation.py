@@ -1,4 +1,4 @@
-"""Run plain and speculative decoding over the same prompts in one process and summarise (spec §6).
+"""Run plain and speculative decoding over the same prompts in one process and summarise (docs/method.md §6).
 
 Measures:
 * τ (acceptance length): tokens committed per target verification pass, bonus included; the first token
