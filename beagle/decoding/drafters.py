@@ -1,4 +1,4 @@
-"""What the tree builder needs from a drafter, for the Beagle drafter and the EAGLE-2 baseline (spec §7).
+"""What the tree builder needs from a drafter, for the Beagle drafter and the EAGLE-2 baseline (docs/method.md §7).
 
 Both keep a cache of keys for the committed (true) positions and, while drafting, a bank of keys for drafted
 nodes that only the node's descendants see. They differ in what a key is and how a query is formed:
