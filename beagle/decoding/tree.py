@@ -31,7 +31,7 @@ class DraftConfig:
     top_k: int = 10
     total_tokens: int = 60
     temperature: float = 0.0
-    concatenate: bool = True  # drafted states become keys for their descendants (spec §5)
+    concatenate: bool = True  # drafted states become keys for their descendants (docs/method.md §5.2)
     # Greedy only: keep a drafted token only while the drafter's probability for its whole path is at least
     # this much, and stop drafting once no path is. 0 keeps the method's fixed-size tree. A weak drafter on a
     # target whose verification costs more per token (CPUs) then spends drafts only where they pay.
@@ -140,7 +140,7 @@ class _Proposals:
 
 @dataclass
 class _KeyBank:
-    """Drafted states kept as keys for their descendants (spec §5), and which of them each query sees."""
+    """Drafted states kept as keys for their descendants (docs/method.md §5.2), and which of them each query sees."""
 
     keys: torch.Tensor | None = None          # [1, H_kv, S, hd]
     values: torch.Tensor | None = None        # [1, H_kv, S, hd]
