@@ -1,4 +1,4 @@
-"""A reduced draft vocabulary: the drafter's LM head scores only the most frequent tokens (spec §8).
+"""A reduced draft vocabulary: the drafter's LM head scores only the most frequent tokens (docs/method.md §4.2, §8).
 
 On a CPU a draft step is mostly the LM head (V x d weights read per step: 49k x 576 for SmolLM2), so
 scoring only the N most frequent predicted tokens of the training stores makes each step several times
