@@ -1,4 +1,4 @@
-"""Which drafted tokens the target accepts, and the token it adds (spec §5).
+"""Which drafted tokens the target accepts, and the token it adds (docs/method.md §5.3, §5.4).
 
 Both rules walk the tree from the root. At each node the target's own next-token distribution (from the
 verification pass at that node) decides among the node's children:
