@@ -2,7 +2,7 @@
 
 The target verifies a whole draft tree in one pass, so its cache briefly holds every tree node; after
 acceptance only the committed prefix plus the accepted path may stay. The drafter keeps its own cache of
-projected TRUE target states (spec §5); drafted states never enter it.
+projected TRUE target states (docs/method.md §5.1); drafted states never enter it.
 """
 from __future__ import annotations
 
