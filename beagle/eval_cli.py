@@ -87,7 +87,7 @@ def _check_stores(stores: list[str]) -> None:
                    "Default: the vocabulary the drafter was trained on (`train --draft-vocab`), else all.")
 @click.option("--draft-vocab-store", multiple=True,
               help="Store(s) to count token frequencies in (default: the stores in the drafter's config.json).")
-@click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (spec §5 variant).")
+@click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (docs/method.md §5.2).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
              temperature, min_confidence, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
