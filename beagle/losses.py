@@ -1,4 +1,4 @@
-"""Losses (spec §4, §8): soft cross-entropy against the target's distribution, computed in vocabulary
+"""Losses (docs/method.md §4): soft cross-entropy against the target's distribution, computed in vocabulary
 chunks so the [N, V] logits are never held in memory, plus SmoothL1 regression of the states.
 
 Why a custom autograd function: with V ~ 50k the logits dominate both time and memory. The loss
@@ -104,7 +104,7 @@ class LossResult:
 
 
 def beta_weights(simulation_steps: int) -> list[float]:
-    """β_j = s - j + 1 normalised by their sum (spec §3, §8): earlier depths matter more."""
+    """β_j = s - j + 1 normalised by their sum (docs/method.md §4.3): earlier depths matter more."""
     betas = [float(simulation_steps - j + 1) for j in range(1, simulation_steps + 1)]
     total = sum(betas)
     return [b / total for b in betas]
