@@ -285,7 +285,7 @@ def test_a_qwen2_target_decodes_identically():
 
 @pytest.mark.parametrize("reduced", [False, True])
 def test_the_eagle2_baseline_drafter_decodes_identically(reduced):
-    """The EAGLE-2 baseline (spec §7) drafts through the same tree and verification code."""
+    """The EAGLE-2 baseline (docs/method.md §7) drafts through the same tree and verification code."""
     from beagle.decoding.draft_vocab import ReducedVocabDrafter
     from beagle.eagle2 import Eagle2Drafter
     from beagle.model import DrafterConfig
