@@ -92,7 +92,7 @@ def test_recompute_gives_the_same_loss_and_gradients(data):
 
 def test_stage2_memory_is_flat_in_simulation_steps(data):
     """With per-step recompute and in-block losses, the only bytes kept for backward that grow with s
-    are the predicted-key bank (one step's keys and values, bounded by L slots in all, spec §3):
+    are the predicted-key bank (one step's keys and values, bounded by L slots in all, docs/method.md §3):
     nothing per trained row. Without recompute they grow with every step (the check can fail)."""
     batch = _batch(data, 6)
     model = _model(data)
