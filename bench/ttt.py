@@ -1,6 +1,6 @@
 """An EAGLE-3 style training-time test (TTT) loop on the Beagle block, kept only to measure memory (P4).
 
-Contrast with our stage 2 (spec §3). In TTT every position is a draft root at every step: at step j the
+Contrast with our stage 2 (docs/method.md §3). In TTT every position is a draft root at every step: at step j the
 query at position p drafts j steps ahead of its root's true context n = p - j, so it sees the true keys
 at positions <= p - j plus, from each earlier step i < j, the one predicted key of its own root
 (bank i at position p - j + i, a diagonal). Each step appends a whole new key set of L predicted states
