@@ -22,7 +22,7 @@ class TrainConfig:
     stage2_epochs: int = 2
     max_steps: int | None = None          # stop after this many optimizer steps in total
     # method
-    drafter: str = "beagle"               # beagle | eagle2 (the baseline of docs/method.md §7, one teacher-forced stage)
+    drafter: str = "beagle"               # beagle | eagle2 (the baseline, docs/method.md §7: teacher-forced)
     window_size: int = 5                  # k: stage-1 block size and the drafting depth trained
     simulation_steps: int = 4             # s <= k: stage-2 depths simulated with fed-back states
     noise_std: float = 0.2                # Gaussian key noise, as a fraction of the states' RMS
