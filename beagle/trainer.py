@@ -200,7 +200,7 @@ def _write_run_config(run_dir: Path, config: TrainConfig, data: StoreSet, drafte
 
 
 def _stage_loss(config: TrainConfig, stage: int) -> Callable[..., LossSums]:
-    if config.drafter == "eagle2":  # one teacher-forced loss for every epoch (docs/method.md, EAGLE-2 baseline)
+    if config.drafter == "eagle2":  # one teacher-forced loss for every epoch (docs/method.md §7)
         return eagle2_loss
     return stage1_loss if stage == 1 else stage2_loss
 
