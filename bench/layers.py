@@ -47,13 +47,14 @@ def _extract(data: Path, out: Path, layers: str, max_length: int) -> None:
         "--max-length", str(max_length), "--dtype", "bfloat16", "--no-progress")
 
 
-def _train(store: Path, out: Path, drafter: str, fused: bool, steps: int, batch_tokens: int, max_length: int) -> Path:
+def _train(store: Path, out: Path, drafter: str, fused: bool, steps: int, batch_tokens: int, max_length: int,
+           *extra: str) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     cli("train", "--store", str(store), "--out", str(out), "--drafter", drafter, "--max-steps", str(steps),
         "--stage1-epochs", "1000", "--stage2-epochs", "0" if drafter == "eagle2" else "1000",
         "--batch-tokens", str(batch_tokens), "--max-length", str(max_length), "--lr", "1e-3", "--warmup-steps", "10",
         "--draft-vocab", str(DRAFT_VOCAB), "--device", "cpu", "--no-progress",
-        "--fuse-layers" if fused else "--no-fuse-layers")
+        "--fuse-layers" if fused else "--no-fuse-layers", *extra)
     return out / "drafter"
 
 
