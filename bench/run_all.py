@@ -9,6 +9,7 @@ Each figure is measured side by side in one run by its own script (each also run
   P4      bench/memory.py    stage-2 memory s=4 ÷ s=1, EAGLE-3 style TTT alongside
   P6      bench/decode.py    speculative ÷ plain tokens/s, chain and tree (drafter from the P5 run)
   P9      bench/train.py     training tokens/s in bf16 autocast ÷ fp32 on this machine (SmolLM2 shapes)
+  P11     bench/regenerate.py  regenerate's generated tokens/s ÷ a bare batched greedy loop, same batches
 Only the part of docs/benchmarks.md between `<!-- bench:begin -->` and `<!-- bench:end -->` is replaced.
 No test asserts a timing; targets are compared here and a missed one is marked with its reason.
 """
@@ -27,7 +28,7 @@ from bench.common import ROOT, machine, record, require_demo  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TARGETS = "P1 ≥ 0.95; P2 ≤ 1.01 bf16, ≤ 0.90 zstd, fp8 ≤ 0.52 with τ within 3%; P3 ≥ 0.5; P4 ≤ 1.15; P5 ≥ 1.0; " \
-          "P6 ≥ 2.0; P7 ≥ 1.8; P9 ≥ 2.0"
+          "P6 ≥ 2.0; P7 ≥ 1.8; P9 ≥ 2.0; P11 ≥ 0.8"
 
 
 def run(cmd: list[str], log: Path) -> str:
@@ -114,8 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few minutes: small data, few steps")
     parser.add_argument("--workdir", default="runs/bench")
-    parser.add_argument("--only", default="P1,P2,P3,P4,P6,P9",
-                        help="subset of P1 (with P7), P2 (with P5), P3, P4, P6, P9")
+    parser.add_argument("--only", default="P1,P2,P3,P4,P6,P9,P11",
+                        help="subset of P1 (with P7), P2 (with P5), P3, P4, P6, P9, P11")
     parser.add_argument("--docs", default="docs/benchmarks.md")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
@@ -138,6 +139,8 @@ def main() -> None:
         ("P6", lambda: p6(work, args.quick, work / "quality" / "run-beagle-bf16" / "drafter")),
         ("P9", lambda: run(["bench/train.py", "--only-p9", "--length", "256" if args.quick else "512", "--json",
                             str(work / "p9.json")], work / "p9.log") and json.loads((work / "p9.json").read_text())),
+        ("P11", lambda: run(["bench/regenerate.py", "--prompts", "16" if args.quick else "64", "--json",
+                             str(work / "p11.json")], work / "p11.log") and json.loads((work / "p11.json").read_text())),
     ]
     for figure, job in jobs:
         if figure not in only:
@@ -150,7 +153,7 @@ def main() -> None:
                 "python bench/extract.py [--quick]", "python bench/quality.py --store <P1 store> [--quick]",
                 "python bench/store.py --tokens N --widths 576", "python bench/memory.py [--quick]",
                 "python bench/decode.py --drafter <P5 Beagle drafter> --shapes 'chain d5,tree d5 k4 n16,chain d3 c0.25,tree d5 k4 n16 c0.2'",
-                "python bench/train.py --only-p9 [--length 256]"]
+                "python bench/train.py --only-p9 [--length 256]", "python bench/regenerate.py [--prompts 16]"]
     block = render(records, commands, args.quick, time.perf_counter() - start)
     print(block)
     if not args.no_docs:
