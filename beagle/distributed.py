@@ -129,7 +129,9 @@ def loss_runner(model: torch.nn.Module, ctx: DistContext) -> Callable[..., Any]:
         return lambda loss_fn, *args: loss_fn(model, *args)
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(_LossModule(model), device_ids=None)
+    # broadcast_buffers=False: the only buffers are the frozen embedding and heads, identical on every rank;
+    # re-broadcasting them at every forward would move gigabytes per step at 8B scale.
+    return DistributedDataParallel(_LossModule(model), device_ids=None, broadcast_buffers=False)
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,22 @@ def test_ray_train_two_workers_match_one_process(store, single_run, tmp_path):
         ray.shutdown()
     assert final["steps"] == 6 and np.isfinite(final["loss"])
     _assert_same_run(single_run, tmp_path / "ray")
+
+
+def test_ddp_wrapper_does_not_rebroadcast_the_frozen_head(tmp_path):
+    """The frozen embedding and LM head are buffers; DDP must not re-send them at every forward."""
+    import torch.distributed as dist
+
+    from beagle.distributed import DistContext, loss_runner
+    from beagle.model import BeagleDrafter, DrafterConfig
+
+    config = DrafterConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                           intermediate_size=32, vocab_size=20)
+    model = BeagleDrafter(config, torch.randn(20, 16), torch.randn(20, 16))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        runner = loss_runner(model, DistContext(rank=0, world_size=2))
+        assert isinstance(runner, torch.nn.parallel.DistributedDataParallel)
+        assert runner.broadcast_buffers is False
+    finally:
+        dist.destroy_process_group()
