@@ -96,8 +96,9 @@ class StoreSet:
         for url, store in zip(self.urls, self.stores):
             missing = sorted(set(self.key_layers) - set(store.layers))
             if missing:
+                layers = ",".join(map(str, self.key_layers))
                 raise ValueError(f"{url} did not capture layer(s) {missing} (it has {store.layers}); the drafter "
-                                 f"needs {list(self.key_layers)}: re-extract with --layers {','.join(map(str, self.key_layers))}")
+                                 f"needs {list(self.key_layers)}: re-extract with --layers {layers}")
         self._key_index = [[list(s.layers).index(layer) for layer in self.key_layers] for s in self.stores]
         sizes = [len(s) for s in self.stores]
         self._starts = np.cumsum([0] + sizes)

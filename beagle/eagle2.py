@@ -177,7 +177,8 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
 
     LOSS_SCALE · (CE + regression_weight · SmoothL1) = 1.0·SmoothL1 + 0.1·CE at the default weight 10."""
     B, L, d = batch.hidden.shape
-    states = uniform_noise(fuse_key_states(model, batch.key_input(model.config.fused)), batch, settings.noise_std, generator)
+    true_states = fuse_key_states(model, batch.key_input(model.config.fused))                 # [B, L, d]
+    states = uniform_noise(true_states, batch, settings.noise_std, generator)
     hidden = model.forward_sequence(batch.input_ids, states, batch.lengths)             # [B, L, d]
     weight = torch.zeros(B, L, device=hidden.device)
     weight[:, 1:-1] = batch.loss_mask[:, 2:].float()    # row p predicts t_{p+1}; row 0 has no state

@@ -60,7 +60,7 @@ def noisy_keys(model: BeagleDrafter, batch: Batch, noise_std: float,
     A drafter with fused keys fuses the key layers first; the noise is added in the fused space, the one
     its own predicted states are fed back into in stage 2."""
     B, L, d = batch.hidden.shape
-    states = fuse_key_states(model, batch.key_input(model.config.fused))                                            # [B, L, d]
+    states = fuse_key_states(model, batch.key_input(model.config.fused))                      # [B, L, d]
     if noise_std > 0:
         states = states + noise_std * batch.noise(generator)                                      # [B, L, d]
     positions = torch.arange(L, device=states.device).expand(B, L)

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 # Settings a resumed run may change; everything else must match the run being continued.
-_RESUMABLE_CHANGES = {"max_steps", "checkpoint_every", "device", "stage2_epochs", "bf16"}  # bf16: master weights stay fp32
+# bf16 may change: master weights and optimizer state are fp32 either way.
+_RESUMABLE_CHANGES = {"max_steps", "checkpoint_every", "device", "stage2_epochs", "bf16"}
 
 
 @dataclass(frozen=True)
@@ -266,8 +267,8 @@ def _learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else config.lr
 
 
-def _log_step(run: _Run, metrics: dict[str, Any], metrics_file: Any, on_step: Callable[[dict[str, Any], int], None] | None,
-              position: tuple[int, int]) -> None:
+def _log_step(run: _Run, metrics: dict[str, Any], metrics_file: Any,
+              on_step: Callable[[dict[str, Any], int], None] | None, position: tuple[int, int]) -> None:
     """Append the metrics line, report progress, and checkpoint when due (rank 0 only)."""
     run.last_metrics = metrics
     if metrics_file is not None:

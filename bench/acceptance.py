@@ -26,7 +26,8 @@ def _top1(model, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tens
 
 def _beagle_chain_tokens(model: BeagleDrafter, batch, depth: int, vocab=None) -> dict[int, torch.Tensor]:
     """{offset: draft top-1 [B, L] where row p holds the token drafted at p's depth in windows of `depth`}."""
-    settings = StageSettings(window_size=depth, simulation_steps=depth, noise_std=0.0, regression_weight=10.0, vocab_chunk=8192, recompute=False)
+    settings = StageSettings(window_size=depth, simulation_steps=depth,
+                             noise_std=0.0, regression_weight=10.0, vocab_chunk=8192, recompute=False)
     out = {}
     for offset in range(depth):
         tokens = torch.full(batch.input_ids.shape, -1, dtype=torch.long)

@@ -24,10 +24,10 @@ from bench.common import machine  # noqa: E402
 
 
 def train_rows(device: torch.device, length: int, batch: int, repeats: int, preset: str) -> list[tuple[str, float, int]]:
-    from bench.train import PRESETS, _batch, _measure
+    from bench.train import PRESETS, _batch, _measure, _settings
     from beagle.eagle2 import Eagle2Drafter, eagle2_loss
     from beagle.model import BeagleDrafter, DrafterConfig
-    from beagle.stages import StageSettings, stage1_loss, stage2_loss
+    from beagle.stages import stage1_loss, stage2_loss
 
     cfg = DrafterConfig.from_dict(PRESETS[preset])
     emb, head = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02, torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
@@ -37,7 +37,7 @@ def train_rows(device: torch.device, length: int, batch: int, repeats: int, pres
     for name, cls, fn, s in (("Beagle stage 1", BeagleDrafter, stage1_loss, 5), ("Beagle stage 2 s=4", BeagleDrafter,
                              stage2_loss, 4), ("EAGLE-2", Eagle2Drafter, eagle2_loss, 1)):
         model = cls(cfg, emb, head).to(device)
-        seconds, memory = _measure(model, data, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192), device, autocast, repeats)
+        seconds, memory = _measure(model, data, fn, _settings(5, s), device, autocast, repeats)
         rows.append((name, seconds, memory))
     return rows
 

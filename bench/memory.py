@@ -64,7 +64,9 @@ def main() -> None:
     rows = {}
     for name, fn, recompute in (("stage 2", stage2_loss, True), ("stage 2 no recompute", stage2_loss, False),
                                 ("EAGLE-3 style TTT", ttt_loss, False)):
-        rows[name] = [measure(model, batch, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192, recompute=recompute), device)
+        rows[name] = [measure(model, batch, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2,
+                                                              regression_weight=10.0, vocab_chunk=8192,
+                                                              recompute=recompute), device)
                       for s in (1, 2, 3, 4)]
         print(f"{name:<22}" + "".join(f"{b / 2**20:>10.1f}" for b in rows[name]) + "  MiB at s=1..4")
     kind = "peak allocated" if device.type == "cuda" else "saved for backward"

@@ -40,6 +40,12 @@ PRESETS = {
 }
 
 
+def _settings(window_size: int, simulation_steps: int, **overrides) -> StageSettings:
+    """The method's defaults (noise 0.2, regression weight 10, vocabulary chunks of 8192) at k and s."""
+    return StageSettings(window_size=window_size, simulation_steps=simulation_steps, noise_std=0.2,
+                         regression_weight=10.0, vocab_chunk=8192, **overrides)
+
+
 def _batch(cfg: DrafterConfig, B: int, L: int, device: torch.device) -> Batch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, L), generator=g)
@@ -87,7 +93,7 @@ def _data_wait(cfg: DrafterConfig, model, device, autocast, samples: int, L: int
                     tokenizer={"name": "none"}, capture={"layers": [-1], "dtype": "bfloat16", "max_length": L},
                     source={"name": "random"})
         data = StoreSet([url])
-        settings = StageSettings(window_size=5, simulation_steps=4, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192)
+        settings = _settings(5, 4)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         waited = total = 0.0
         plan = plan_epoch(data.lengths, batch_tokens=batch_tokens, limit=L, seed=0, epoch=0)
@@ -118,9 +124,7 @@ def precision_ratio(cfg: DrafterConfig, batch: Batch, device: torch.device, draf
             restrict_loss_vocabulary(model, torch.arange(draft_vocab))
         keep_loss_head_in(model, dtype)
         seconds[dtype] = sum(
-            _measure(model, batch, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2,
-                                                     regression_weight=10.0, vocab_chunk=8192),
-                     device, dtype == torch.bfloat16, repeats)[0]
+            _measure(model, batch, fn, _settings(5, s), device, dtype == torch.bfloat16, repeats)[0]
             for fn, s in ((stage1_loss, 5), (stage2_loss, 4)))
     ratio = seconds[torch.float32] / seconds[torch.bfloat16]
     tokens = batch.input_ids.numel() * 2
@@ -165,16 +169,15 @@ def main() -> None:
           f"threads {torch.get_num_threads()}")
     memory_kind = "peak alloc MiB" if device.type == "cuda" else "saved-for-backward MiB"
     print(f"{'run':<34}{'step ms':>10}{'tokens/s':>11}{memory_kind:>24}")
-    rows = [("stage 1", stage1_loss, StageSettings(window_size=k, simulation_steps=k, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192))]
-    rows += [(f"stage 2 s={s}", stage2_loss, StageSettings(window_size=k, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192)) for s in range(1, k + 1)]
-    rows += [(f"stage 2 s={s} no recompute", stage2_loss, StageSettings(window_size=k, simulation_steps=s, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192, recompute=False))
-             for s in (1, k)]
+    rows = [("stage 1", stage1_loss, _settings(k, k))]
+    rows += [(f"stage 2 s={s}", stage2_loss, _settings(k, s)) for s in range(1, k + 1)]
+    rows += [(f"stage 2 s={s} no recompute", stage2_loss, _settings(k, s, recompute=False)) for s in (1, k)]
     models = [model] * len(rows)
     if 0 < args.draft_vocab < cfg.vocab_size:
         reduced = BeagleDrafter(cfg, model.embed_tokens, model.lm_head).to(device)
         restrict_loss_vocabulary(reduced, torch.arange(args.draft_vocab))  # which tokens does not change the cost
-        rows += [(f"stage 1, draft vocab {args.draft_vocab}", stage1_loss, StageSettings(window_size=k, simulation_steps=k, noise_std=0.2, regression_weight=10.0, vocab_chunk=8192)),
-                 (f"stage 2 s=4, draft vocab {args.draft_vocab}", stage2_loss, StageSettings(window_size=k, simulation_steps=min(4, k), noise_std=0.2, regression_weight=10.0, vocab_chunk=8192))]
+        rows += [(f"stage 1, draft vocab {args.draft_vocab}", stage1_loss, _settings(k, k)),
+                 (f"stage 2 s=4, draft vocab {args.draft_vocab}", stage2_loss, _settings(k, min(4, k)))]
         models += [reduced, reduced]
     for (name, fn, settings), run_model in zip(rows, models):
         seconds, memory = _measure(run_model, batch, fn, settings, device, autocast, args.repeats)

@@ -105,7 +105,8 @@ def _train(model: BeagleDrafter, data: StoreSet, loss_fn, settings: StageSetting
     model.eval()
 
 
-STAGE1 = StageSettings(window_size=WINDOW, simulation_steps=WINDOW, noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
+STAGE1 = StageSettings(window_size=WINDOW, simulation_steps=WINDOW,
+                       noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +198,8 @@ def test_stage2_keeps_reading_true_keys_and_hides_the_window(drafter, data):
     chance, because its fed-back key ĥ_(i-1) is computed from states <= i-2, which know nothing of t_(i+1).
     Only a leak of the true h_(i-1) into the simulation could lift it."""
     train, batch = data
-    settings = StageSettings(window_size=WINDOW, simulation_steps=WINDOW, noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
+    settings = StageSettings(window_size=WINDOW, simulation_steps=WINDOW,
+                             noise_std=0.0, regression_weight=10.0, vocab_chunk=8192)
     model = copy.deepcopy(drafter)
     _train(model, train, stage2_loss, settings, 100, seed=1)
     with torch.no_grad():

@@ -33,7 +33,8 @@ def test_stage2_query_sees_true_context_and_its_windows_predictions_only(data, o
     n+1..p (which produce its predicted keys and its own query), and on nothing else."""
     k, s = 5, 4
     model = _model(data).eval()
-    settings = StageSettings(window_size=k, simulation_steps=s, noise_std=0.0, regression_weight=10.0, vocab_chunk=128, recompute=False)
+    settings = StageSettings(window_size=k, simulation_steps=s,
+                             noise_std=0.0, regression_weight=10.0, vocab_chunk=128, recompute=False)
     batch = _batch(data, 1)
     L = int(batch.lengths[0])
     base = {j: (q, h) for j, q, (h,) in simulate(model, batch, offset, settings)}
@@ -69,8 +70,10 @@ def test_stage2_query_sees_true_context_and_its_windows_predictions_only(data, o
 def test_stage2_depth1_equals_stage1_rows(data):
     model = _model(data).eval()
     batch = _batch(data)
-    settings = StageSettings(window_size=5, simulation_steps=1, noise_std=0.0, regression_weight=10.0, vocab_chunk=128, recompute=False)
-    s1 = stage1_loss(model, batch, 1, StageSettings(window_size=5, simulation_steps=5, noise_std=0.0, regression_weight=10.0, vocab_chunk=128)).finish()
+    settings = StageSettings(window_size=5, simulation_steps=1,
+                             noise_std=0.0, regression_weight=10.0, vocab_chunk=128, recompute=False)
+    s1 = stage1_loss(model, batch, 1, StageSettings(window_size=5, simulation_steps=5,
+                                                    noise_std=0.0, regression_weight=10.0, vocab_chunk=128)).finish()
     steps = simulate(model, batch, 1, settings)
     assert steps[0][0] == 1 and steps[0][1].tolist() == depth_positions(40, 5, 1, 1).tolist()[:steps[0][1].numel()]
     assert s1.count[0] == stage2_loss(model, batch, 1, settings).finish().count[0]
@@ -81,7 +84,8 @@ def test_recompute_gives_the_same_loss_and_gradients(data):
     grads = []
     for recompute in (False, True):
         model = _model(data)
-        settings = StageSettings(window_size=5, simulation_steps=4, noise_std=0.1, regression_weight=10.0, vocab_chunk=128, recompute=recompute)
+        settings = StageSettings(window_size=5, simulation_steps=4,
+                                 noise_std=0.1, regression_weight=10.0, vocab_chunk=128, recompute=recompute)
         loss = stage2_loss(model, batch, 3, settings, torch.Generator().manual_seed(0)).finish().loss
         loss.backward()
         grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
@@ -100,7 +104,8 @@ def test_stage2_memory_is_flat_in_simulation_steps(data):
 
     def saved(steps, recompute):
         with count_saved_bytes(model) as counter:
-            stage2_loss(model, batch, 0, StageSettings(window_size=5, simulation_steps=steps, noise_std=0.1, regression_weight=10.0, vocab_chunk=128, recompute=recompute))
+            stage2_loss(model, batch, 0, StageSettings(window_size=5, simulation_steps=steps,
+                                                       noise_std=0.1, regression_weight=10.0, vocab_chunk=128, recompute=recompute))
         return counter.total
 
     flat = [saved(s, True) for s in range(1, 5)]
@@ -111,5 +116,6 @@ def test_stage2_memory_is_flat_in_simulation_steps(data):
     assert max(flat) <= 1.2 * flat[0], flat
     assert grows[3] >= 2.5 * grows[0], grows
     with count_saved_bytes(model) as counter:
-        stage1_loss(model, batch, 0, StageSettings(window_size=5, simulation_steps=4, noise_std=0.1, regression_weight=10.0, vocab_chunk=128))
+        stage1_loss(model, batch, 0, StageSettings(window_size=5, simulation_steps=4,
+                                                   noise_std=0.1, regression_weight=10.0, vocab_chunk=128))
     assert max(flat) < counter.total

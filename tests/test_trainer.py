@@ -165,7 +165,8 @@ def test_a_reduced_draft_vocabulary_trains_the_token_loss_on_it_and_is_exported(
     model = BeagleDrafter(DrafterConfig.from_architecture(data.target["architecture"]),
                           head["embed_tokens"], head["lm_head"])
     batch = collate([data.sample(i, 1000) for i in range(4)])
-    settings = StageSettings(window_size=3, simulation_steps=2, noise_std=0.0, regression_weight=0.0, vocab_chunk=128)  # token loss only
+    settings = StageSettings(window_size=3, simulation_steps=2,
+                             noise_std=0.0, regression_weight=0.0, vocab_chunk=128)  # token loss only
     full = stage1_loss(model, batch, 0, settings).finish().loss
     restrict_loss_vocabulary(model, tokens)
     assert torch.equal(loss_head(model), head["lm_head"][tokens])

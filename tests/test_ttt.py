@@ -64,7 +64,8 @@ def test_ttt_memory_grows_with_steps_while_stage2_stays_flat():
 
     def saved(loss_fn, steps):
         with count_saved_bytes(model) as counter:
-            loss_fn(model, batch, 0, StageSettings(window_size=5, simulation_steps=steps, noise_std=0.1, regression_weight=10.0, vocab_chunk=64))
+            loss_fn(model, batch, 0, StageSettings(window_size=5, simulation_steps=steps,
+                                                   noise_std=0.1, regression_weight=10.0, vocab_chunk=64))
         return counter.total
 
     ttt = [saved(ttt_loss, s) for s in (1, 2, 4)]
