@@ -103,7 +103,8 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
 
     from beagle.decoding.draft_vocab import select_draft_vocabulary
     from beagle.decoding.evaluation import evaluate_prompts
-    from beagle.decoding.loading import load_drafter_for, load_target, pick_device
+    from beagle.decoding.loading import load_drafter_for, load_target
+    from beagle.devices import pick_device
     from beagle.decoding.tree import DraftConfig
     from beagle.prompts import eos_token_ids, load_prompts
     from pipeline.store import StoreError

@@ -22,7 +22,8 @@ import torch
 from beagle.decoding import DraftConfig
 from beagle.decoding.draft_vocab import select_draft_vocabulary
 from beagle.decoding.evaluation import evaluate_prompts
-from beagle.decoding.loading import DTYPES, load_drafter_for, load_target, pick_device
+from beagle.decoding.loading import load_drafter_for, load_target
+from beagle.devices import DTYPES, pick_device
 from beagle.model import BeagleDrafter, DrafterConfig
 from beagle.prompts import eos_token_ids, load_prompts
 

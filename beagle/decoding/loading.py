@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from beagle.decoding.verify import check_supported
-from beagle.devices import DTYPES, pick_device, torch_dtype  # noqa: F401  (eval_cli and bench/decode use these)
+from beagle.devices import torch_dtype
 from beagle.export import CONFIG_NAME, load_drafter
 from beagle.target_facts import facts_from_config, read_target_facts
 
