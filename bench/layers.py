@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -25,11 +23,10 @@ import torch  # noqa: E402
 
 from bench.acceptance import chain_acceptance  # noqa: E402
 from bench.common import DEMO_MODEL, DEMO_SHAREGPT, cli, emit, record, require_demo  # noqa: E402
+from bench.quality import DRAFT_VOCAB, train  # noqa: E402
+from bench.quality import _bytes as store_bytes  # noqa: E402
 from beagle.data import StoreSet  # noqa: E402
 from beagle.export import load_drafter  # noqa: E402
-
-DRAFT_VOCAB = 8192  # as the demo and bench/quality.py: both drafters train and draft over it
-
 
 def _split_conversations(workdir: Path, train: int, held_out: int) -> tuple[Path, Path]:
     """The first `train` ShareGPT lines, and the `held_out` lines after them, as two input files."""
@@ -49,19 +46,14 @@ def _extract(data: Path, out: Path, layers: str, max_length: int) -> None:
 
 def _train(store: Path, out: Path, drafter: str, fused: bool, steps: int, batch_tokens: int, max_length: int,
            *extra: str) -> Path:
-    shutil.rmtree(out, ignore_errors=True)
-    cli("train", "--store", str(store), "--out", str(out), "--drafter", drafter, "--max-steps", str(steps),
-        "--stage1-epochs", "1000", "--stage2-epochs", "0" if drafter == "eagle2" else "1000",
-        "--batch-tokens", str(batch_tokens), "--max-length", str(max_length), "--lr", "1e-3", "--warmup-steps", "10",
-        "--draft-vocab", str(DRAFT_VOCAB), "--device", "cpu", "--no-progress",
-        "--fuse-layers" if fused else "--no-fuse-layers", *extra)
-    return out / "drafter"
+    """bench/quality.py's training recipe, with last-layer or fused keys."""
+    return Path(train(str(store), str(out), drafter, steps, batch_tokens, max_length,
+                      "--fuse-layers" if fused else "--no-fuse-layers", *extra))
 
 
 def _bytes_per_token(store: Path) -> float:
-    total = sum(os.path.getsize(Path(root) / f) for root, _, files in os.walk(store) for f in files
-                if f != "head.safetensors")
-    return total / int(StoreSet([str(store)]).lengths.sum())
+    """Bytes on disk per token, the per-store head excluded."""
+    return store_bytes(str(store)) / int(StoreSet([str(store)]).lengths.sum())
 
 
 def main() -> None:

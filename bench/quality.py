@@ -57,12 +57,14 @@ def rewrite(src: str, dst: str, dtype: str, compression: str | None) -> float:
 DRAFT_VOCAB = 8192
 
 
-def train(store: str, out: str, drafter: str, steps: int, batch_tokens: int, max_length: int) -> str:
+def train(store: str, out: str, drafter: str, steps: int, batch_tokens: int, max_length: int, *extra: str) -> str:
+    """Train through the CLI for `steps` (stage 1 only for Beagle), lr 1e-3, the draft vocabulary;
+    `extra` flags are appended (bench/layers.py adds --fuse-layers, bench/depth1.py --window-size)."""
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: `train` refuses to reuse a run folder
     cli("train", "--store", store, "--out", out, "--drafter", drafter, "--max-steps", str(steps),
         "--stage1-epochs", "1000", "--stage2-epochs", "0" if drafter == "eagle2" else "1000",
         "--batch-tokens", str(batch_tokens), "--max-length", str(max_length), "--lr", "1e-3",
-        "--warmup-steps", "10", "--draft-vocab", str(DRAFT_VOCAB), "--device", "cpu", "--no-progress")
+        "--warmup-steps", "10", "--draft-vocab", str(DRAFT_VOCAB), "--device", "cpu", "--no-progress", *extra)
     return f"{out}/drafter"
 
 
