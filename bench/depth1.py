@@ -18,20 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
-from bench.acceptance import chain_acceptance  # noqa: E402
 from bench.common import emit, record  # noqa: E402
-from bench.layers import _train  # noqa: E402
+from bench.layers import _train, score  # noqa: E402
 from beagle.data import StoreSet  # noqa: E402
-from beagle.export import load_drafter  # noqa: E402
-
-
-def _score(drafter_dir: Path, held_out: Path, head: dict, max_length: int) -> tuple[float, list[float]]:
-    model, meta = load_drafter(drafter_dir, embed_tokens=head["embed_tokens"].float(), lm_head=head["lm_head"].float())
-    vocab = torch.tensor(meta["draft_vocab"]) if meta.get("draft_vocab") else None
-    return chain_acceptance(model, str(held_out), depth=5, samples=len(StoreSet([str(held_out)])), limit=max_length,
-                            vocab=vocab)
 
 
 def main() -> None:
@@ -45,12 +34,12 @@ def main() -> None:
     steps, batch_tokens, max_length = settings["steps"], settings["batch_tokens"], settings["max_length"]
     held_out = work / "held-out-store"
     head = StoreSet([str(work / "train-store")]).load_head()
-    scores = {"eagle2": _score(work / "run-eagle2-last" / "drafter", held_out, head, max_length),
-              "beagle k=5": _score(work / "run-beagle-last" / "drafter", held_out, head, max_length)}
+    scores = {"eagle2": score(work / "run-eagle2-last" / "drafter", held_out, head, max_length),
+              "beagle k=5": score(work / "run-beagle-last" / "drafter", held_out, head, max_length)}
     for k in (int(x) for x in args.windows.split(",")):
         path = _train(work / "train-store", work / f"run-beagle-k{k}", "beagle", False, steps, batch_tokens,
                       max_length, "--window-size", str(k), "--simulation-steps", str(k))
-        scores[f"beagle k={k}"] = _score(path, held_out, head, max_length)
+        scores[f"beagle k={k}"] = score(path, held_out, head, max_length)
     for name, (tau, alphas) in scores.items():
         print(f"{name}: tau {tau:.3f} alpha {[round(a, 3) for a in alphas]}", flush=True)
     alpha1 = {name: alphas[0] for name, (_, alphas) in scores.items()}
