@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -26,8 +27,9 @@ from pipeline.store import open_store  # noqa: E402
 
 
 def extract(out: str, limit: int, max_length: int, workers: int, threads: int | None = None) -> tuple[float, int]:
+    shutil.rmtree(out, ignore_errors=True)  # measure a whole extraction, never the no-op of a complete store
     config = ExtractConfig(model_path=str(DEMO_MODEL), data=(str(DEMO_SHAREGPT),), out=out, max_length=max_length,
-                           limit=limit, num_workers=workers, overwrite=True, samples_per_shard=max(1, limit // 4),
+                           limit=limit, num_workers=workers, samples_per_shard=max(1, limit // 4),
                            threads=threads)
     summary = run_extract(config)
     return summary.tokens_per_second, summary.forward_tokens

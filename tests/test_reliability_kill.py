@@ -11,10 +11,12 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -277,3 +279,75 @@ def test_disk_full_at_the_manifest_leaves_an_unfinished_store_and_says_so(ray_ad
     store = open_store(str(out))
     assert verify_store(str(out)).ok
     assert len(store) + store.manifest["counts"]["rejected"] == RECORDS + 1  # every line: stored or rejected
+
+
+# Repairs ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clean_store(ray_address, job) -> Path:
+    from pipeline.extract.pipeline import run_extract
+
+    out = job["root"] / "clean"
+    run_extract(_config(job, out))
+    return out
+
+
+def _as_interrupted(clean: Path, out: Path) -> None:
+    """A copy of `clean` as a crash before the manifest leaves it: every shard committed, no manifest."""
+    shutil.copytree(clean, out)
+    manifest = out / "manifest.json"
+    dataset_id = json.loads(manifest.read_text())["dataset_id"]
+    manifest.unlink()
+    (out / "_pending.json").write_text(json.dumps({"dataset_id": dataset_id}))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-states", "flip-samples", "garble-shard-json"])
+def test_a_damaged_committed_shard_is_written_again_on_rerun(clean_store, job, damage):
+    """Checksums, not sizes, decide which committed shards a rerun keeps: a truncated file, a flipped byte
+    in the states or the sample table, or an unreadable shard.json, each sends its shard back to be
+    written; the store then verifies and equals a clean run sample for sample."""
+    from pipeline.extract.pipeline import run_extract
+
+    out = job["root"] / f"damaged-{damage}"
+    _as_interrupted(clean_store, out)
+    shard = out / "shards" / "shard-00002"
+    files = [p for p in shard.rglob("*") if p.is_file() and p.name not in ("shard.json", "zarr.json")]
+    states = max((p for p in files if p.name != "samples.arrow"), key=lambda p: p.stat().st_size)
+    if damage == "truncate":
+        states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
+    elif damage == "garble-shard-json":
+        (shard / "shard.json").write_text("{not json")
+    else:
+        victim = states if damage == "flip-states" else shard / "samples.arrow"
+        payload = bytearray(victim.read_bytes())
+        payload[len(payload) // 2] ^= 0xFF  # same size: a size check would keep it
+        victim.write_bytes(bytes(payload))
+
+    summary = run_extract(_config(job, out))
+    assert summary.shards_resumed == summary.shards - 1
+    assert verify_store(str(out)).ok
+    assert _per_sample(str(out)) == _per_sample(str(clean_store))
+
+
+def test_overwrite_keeps_a_store_of_the_same_inputs_and_clears_what_crashed_writers_left(clean_store, job):
+    """--overwrite deletes only a store of OTHER inputs; one of the same inputs stays as it is. Temporary
+    files and build folders of interrupted writers are removed by the next run."""
+    from pipeline.extract.pipeline import run_extract
+
+    out = job["root"] / "overwrite"
+    shutil.copytree(clean_store, out)
+    manifest = (out / "manifest.json").read_bytes()
+    leftovers = [out / "head.safetensors.tmp-4242-deadbeef", out / "shards" / ".shard-00001.tmp-4242-deadbeef"]
+    leftovers[0].write_bytes(b"\0" * 4096)
+    leftovers[1].mkdir()
+    (leftovers[1] / "samples.arrow").write_bytes(b"partial")
+
+    summary = run_extract(replace(_config(job, out), overwrite=True))
+    assert summary.state == "complete"
+    assert (out / "manifest.json").read_bytes() == manifest
+    assert not [p for p in leftovers if p.exists()]
+    assert verify_store(str(out)).ok
+
+    other = run_extract(replace(_config(job, out), overwrite=True, max_length=48))  # other settings: replaced
+    assert other.dataset_id != summary.dataset_id and other.state != "complete"
+    assert open_store(str(out)).dataset_id == other.dataset_id and verify_store(str(out)).ok

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import subprocess
 import sys
 import uuid
@@ -42,6 +43,33 @@ def test_merge_refuses_incompatible_stores_naming_the_field(tmp_path):
     build(str(tmp_path / "b"), make_samples(3, torch.bfloat16), "bfloat16", layers=[-2])
     with pytest.raises(StoreConflictError, match=r"capture\.layers differs"):
         merge_stores([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "m"))
+
+
+def _flip_a_byte(path) -> None:
+    payload = bytearray(path.read_bytes())
+    payload[len(payload) // 2] ^= 0xFF
+    path.write_bytes(bytes(payload))
+
+
+@pytest.mark.parametrize("damaged", ["hidden", "head"])
+def test_merge_refuses_a_damaged_input_naming_the_file(tmp_path, damaged):
+    """A merge rehashes what it writes: reading a damaged input unchecked would launder the damage into a
+    store that verifies. The input is refused, naming its file, and no complete store appears."""
+    first, second = make_samples(6, torch.bfloat16, seed=1), make_samples(6, torch.bfloat16, seed=2)
+    for index, sample in enumerate(second):
+        sample["sample_id"] = f"other-{index}"
+    build(str(tmp_path / "a"), first, "bfloat16")
+    build(str(tmp_path / "b"), second, "bfloat16")
+    if damaged == "head":
+        victim = tmp_path / "a" / "head.safetensors"
+    else:
+        victim = max((p for p in (tmp_path / "b" / "shards").rglob("*") if p.is_file()
+                      and p.name not in ("shard.json", "samples.arrow", "zarr.json")), key=lambda p: p.stat().st_size)
+    _flip_a_byte(victim)
+    relative = victim.relative_to(victim.parents[0] if damaged == "head" else tmp_path / "b").as_posix()
+    with pytest.raises(Exception, match=re.escape(relative)):
+        merge_stores([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "m"))
+    assert not (tmp_path / "m" / "manifest.json").exists()
 
 
 def test_remote_store_reads_through_a_local_cache(tmp_path):

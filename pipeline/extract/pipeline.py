@@ -282,7 +282,7 @@ def _plan_shards(prepared: Prepared, url: str) -> tuple[dict[int, list[dict]], d
     size = prepared.config.samples_per_shard
     samples = prepared.samples
     shards = {k // size: samples[k:k + size] for k in range(0, len(samples), size)}
-    done = {k: info for k, info in committed_shards(url).items() if k in shards}
+    done = {k: info for k, info in committed_shards(url, remove_damaged=True).items() if k in shards}
     if done:
         logger.info("resuming %s: %d of %d shards already committed", url, len(done), len(shards))
     return shards, done

@@ -18,7 +18,7 @@ from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError
 from pipeline.store.reader import FeatureStore, open_store
 from pipeline.store.writer import (begin_store, commit_manifest, committed_shards, store_identity, store_lock,
-                                   write_rejects, write_shard)
+                                   write_head_bytes, write_rejects, write_shard)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ def merge_stores(urls: list[str], out: str, *, overwrite: bool = False, samples_
     """Merge `urls` into a new store at `out`; returns its manifest. Resumable like extraction."""
     if len(urls) < 2:
         raise ValueError("merge needs at least two stores")
-    stores = [open_store(url) for url in urls]
+    # Inputs are verified as they are read (each file's sha256 before its first use): a merge rehashes
+    # everything it writes, so a damaged input read without checking would come out as a store that verifies.
+    stores = [open_store(url, verify="first-read") for url in urls]
     check_compatible(stores)
     reference = stores[0].manifest
     source = {"merged_from": [{"dataset_id": s.dataset_id, "source": s.manifest["source"]} for s in stores]}
@@ -73,7 +75,7 @@ def merge_stores(urls: list[str], out: str, *, overwrite: bool = False, samples_
         if begin_store(out, dataset_id, overwrite=overwrite) == "complete":
             log.info("%s is already the complete merge of these stores", out)
             return open_store(out).manifest
-        done = committed_shards(out)
+        done = committed_shards(out, remove_damaged=True)
         shards: list[dict] = []
         duplicates = 0
         batch: list[dict] = []
@@ -87,12 +89,7 @@ def merge_stores(urls: list[str], out: str, *, overwrite: bool = False, samples_
                 batch = []
         if batch:
             shards.append(_write_or_reuse(out, len(shards), batch, reference, done))
-        out_fs, out_root = fmt.open_fs(out)
-        first = stores[0]
-        with first.fs.open(fmt.join(first.root, fmt.HEAD), "rb") as handle:
-            head_bytes = handle.read()
-        with out_fs.open(fmt.join(out_root, fmt.HEAD), "wb") as handle:
-            handle.write(head_bytes)
+        write_head_bytes(out, stores[0].head_bytes())  # checked against its sha256; written atomically
         rejects, rejected = _gather_rejects(stores)
         if rejects:
             write_rejects(out, rejects)

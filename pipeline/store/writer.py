@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -44,19 +45,24 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
     """Claim `url` for building `dataset_id`. Returns "complete", "resume" or "new".
 
     Refuses (StoreConflictError) a store or half-built store made from other inputs unless `overwrite`,
-    in which case the old content is deleted first.
+    in which case that old content is deleted first (a store of this same `dataset_id` is never deleted:
+    it is complete, or resumed). Temporary files an interrupted writer left behind are removed.
+    The caller holds `store_lock(url)`.
     """
     fs, root = fmt.open_fs(url)
     existing = _read_json(fs, fmt.join(root, fmt.MANIFEST)) or _read_json(fs, fmt.join(root, fmt.PENDING))
-    if existing is not None and existing.get("dataset_id") != dataset_id and not overwrite:
+    other_inputs = existing is not None and existing.get("dataset_id") != dataset_id
+    if other_inputs and not overwrite:
         raise StoreConflictError(
             f"{url} already holds a store built from other inputs or settings "
             f"(dataset_id {str(existing.get('dataset_id'))[:12]}…, this run {dataset_id[:12]}…); "
-            "pass --overwrite to replace it, or choose another --out")
-    if existing is not None and overwrite:
-        log.warning("overwriting %s (dataset_id %s)", url, existing.get("dataset_id"))
+            "pass --overwrite to delete it and build this one, or choose another --out")
+    if other_inputs:
+        log.warning("--overwrite: deleting %s (dataset_id %s) before building %s", url, existing.get("dataset_id"),
+                    dataset_id)
         _clear_store(fs, root)
         existing = None
+    _remove_interrupted_writes(fs, root)
     if fs.exists(fmt.join(root, fmt.MANIFEST)):
         return "complete"
     fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
@@ -64,6 +70,26 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
         atomic.write_bytes(fmt.join(root, fmt.PENDING), fmt.canonical_json({"dataset_id": dataset_id}), fs=fs)
         return "new"
     return "resume"
+
+
+def _remove_interrupted_writes(fs: Any, root: str) -> None:
+    """Delete what interrupted local writers leave: `NAME.tmp-*` files of atomic writes (a head can be
+    GBs), `.shard-*.tmp-*` build folders and `.NAME.old-*` folders of replaced shards. Only under the
+    store's lock, when no writer of this store runs; object stores have no such names."""
+    if not fmt.is_local(fs):
+        return
+    for folder in (root, fmt.join(root, fmt.SHARDS_DIR)):
+        if not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            if ".tmp-" not in name and not (name.startswith(".") and ".old-" in name):
+                continue
+            path = os.path.join(folder, name)
+            log.info("removing %s, left by an interrupted writer", path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
 
 
 @contextmanager
@@ -209,8 +235,13 @@ def _fp8_arrays(sample: Mapping[str, Any], label: str) -> tuple[np.ndarray, np.n
     return codes, scales
 
 
-def committed_shards(url: str) -> dict[int, dict]:
-    """Infos of the shards already committed under `url` (for resuming an interrupted build)."""
+def committed_shards(url: str, *, remove_damaged: bool = False) -> dict[int, dict]:
+    """Infos of the intact shards already committed under `url` (for resuming an interrupted build).
+
+    Every file of a shard is checked against the sha256 its shard.json records (sizes alone miss a flipped
+    byte). With `remove_damaged` (the build that resumes, holding the store's lock) a damaged shard is
+    deleted, so that it is written again: `write_shard` keeps a shard directory it finds in place, which
+    is right only for an intact one."""
     fs, root = fmt.open_fs(url)
     shards_dir = fmt.join(root, fmt.SHARDS_DIR)
     if not fs.exists(shards_dir):
@@ -220,15 +251,35 @@ def committed_shards(url: str) -> dict[int, dict]:
         base = entry.rstrip("/").rsplit("/", 1)[-1]
         if not base.startswith("shard-"):
             continue
-        info = _read_json(fs, fmt.join(entry, fmt.SHARD_INFO))
-        if info is None:
-            continue
-        if all(fs.exists(fmt.join(root, rel)) and fs.size(fmt.join(root, rel)) == meta["bytes"]
-               for rel, meta in info["files"].items()):
+        info, damage = _check_committed_shard(fs, root, entry)
+        if damage is None:
             found[int(info["index"])] = info
+        elif remove_damaged:
+            log.warning("shard %s is damaged (%s); deleting it so that it is written again", base, damage)
+            fs.rm(entry, recursive=True)
         else:
-            log.warning("shard %s is incomplete on disk; it will be rewritten", base)
+            log.warning("shard %s is damaged (%s)", base, damage)
     return found
+
+
+def _check_committed_shard(fs: Any, root: str, shard_dir: str) -> tuple[dict | None, str | None]:
+    """(the shard's info, None) when every file it lists has its recorded size and sha256, else
+    (info or None, what is wrong)."""
+    try:
+        info = _read_json(fs, fmt.join(shard_dir, fmt.SHARD_INFO))
+    except StoreFormatError:
+        return None, f"its {fmt.SHARD_INFO} is not valid JSON"
+    if info is None:
+        return None, f"it has no {fmt.SHARD_INFO}"
+    for relative, meta in sorted(info["files"].items()):
+        path = fmt.join(root, relative)
+        if not fs.exists(path):
+            return info, f"{relative} is missing"
+        if fs.size(path) != meta["bytes"]:
+            return info, f"{relative} has {fs.size(path)} bytes, {meta['bytes']} recorded"
+        if fmt.sha256_file(fs, path) != meta["sha256"]:
+            return info, f"{relative} does not match its recorded sha256"
+    return info, None
 
 
 def write_head_bytes(url: str, payload: bytes) -> None:
@@ -303,8 +354,7 @@ def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: bytes, 
         identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
         dataset_id = fmt.compute_dataset_id(identity)
         if begin_store(url, dataset_id, overwrite=overwrite) == "complete":
-            raise StoreConflictError(f"{url} is already a complete store of this data; "
-                                     "pass overwrite=True to rebuild")
+            raise StoreConflictError(f"{url} is already a complete store of this data; delete it to rebuild it")
         shards = []
         for batch in _batched(samples, samples_per_shard):
             shards.append(write_shard(url, len(shards), batch, layers=capture["layers"], dtype=capture["dtype"],
