@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +142,49 @@ def test_disk_full_during_a_shard_leaves_no_store_that_looks_complete(tmp_path, 
     monkeypatch.setattr(store_writer, "write_hidden_array", real)
     build(url, make_samples(10, torch.float32), "float32")  # the same call completes the store
     assert verify_store(url).ok
+
+
+def _edit_manifest(url, edit) -> None:
+    path = Path(url) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("unlisted", ["samples.arrow", "hidden_states/layer_m1/zarr.json"])
+def test_verify_refuses_a_shard_whose_listing_lacks_a_file_it_must_have(tmp_path, unlisted):
+    """A file the manifest does not list is never checksummed; a shard must list its sample table and
+    every array of its capture, or verify says which is missing."""
+    url = str(tmp_path / "s")
+    build(url, make_samples(6, torch.bfloat16), "bfloat16")
+    _edit_manifest(url, lambda m: m["shards"][0]["files"].pop(f"shards/shard-00000/{unlisted}"))
+    report = verify_store(url)
+    assert not report.ok
+    assert any("shard-00000" in p and unlisted in p and "does not list" in p for p in report.problems), report
+
+
+def test_verify_checks_rejected_counts_against_the_rejects_file(tmp_path):
+    url = str(tmp_path / "s")
+    rejects = [{"reason": "too_long", "index": 1}, {"reason": "too_long", "index": 4},
+               {"reason": "invalid_json", "index": 7}]
+    build(url, make_samples(6, torch.bfloat16), "bfloat16", rejects=rejects)
+    assert verify_store(url).ok
+    path = Path(url) / "rejects.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))  # one line lost, checksum redone
+    payload = path.read_bytes()
+    _edit_manifest(url, lambda m: m["files"]["rejects.jsonl"].update(
+        sha256=hashlib.sha256(payload).hexdigest(), bytes=len(payload)))
+    report = verify_store(url)
+    assert not report.ok and any("rejects.jsonl: holds" in p for p in report.problems), report
+
+
+def test_verify_reports_files_no_manifest_lists(tmp_path):
+    url = str(tmp_path / "s")
+    build(url, make_samples(6, torch.bfloat16), "bfloat16")
+    (Path(url) / "shards" / "shard-00001" / "stray.bin").write_bytes(b"x" * 10)
+    (Path(url) / "head.safetensors.tmp-1-abc").write_bytes(b"y" * 20)
+    report = verify_store(url)
+    assert report.ok  # never read: not a problem of the store
+    assert report.unlisted == {"head.safetensors.tmp-1-abc": 20, "shards/shard-00001/stray.bin": 10}
+    result = subprocess.run([*CLI, "verify", "--no-progress", url], capture_output=True, text=True)
+    assert result.returncode == 0 and "NOTE: shards/shard-00001/stray.bin" in result.stderr, result.stderr

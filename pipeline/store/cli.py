@@ -97,6 +97,9 @@ def verify(store: str, no_progress: bool) -> None:
 
     with tqdm(unit="B", unit_scale=True, desc="verify", disable=no_progress or None, file=sys.stderr) as bar:
         report = verify_store(store, progress=bar.update)
+    for relative, size in report.unlisted.items():
+        click.echo(f"NOTE: {relative} ({_human_bytes(size)}) is not listed in the manifest: it is not part of the "
+                   "store and is never read; delete it", err=True)
     if report.ok:
         click.echo(f"OK: {store} ({report.files_checked} files, {_human_bytes(report.bytes_checked)}) is sound")
         return

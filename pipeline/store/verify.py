@@ -1,7 +1,9 @@
 """`verify`: recompute every checksum and check counts, lengths and finiteness of a store."""
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +26,9 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     files_checked: int = 0
     bytes_checked: int = 0
+    # Files under the store that no manifest lists, {relative path: bytes}: never read, so not a problem
+    # of the store, but worth deleting (a crashed writer's leftovers, a copy gone wrong).
+    unlisted: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -59,6 +64,9 @@ def verify_store(url: str, *, progress: Callable[[int], None] | None = None) -> 
             if progress:
                 progress(size)
     report.problems.extend(integrity.count_problems(manifest))
+    report.problems.extend(_listing_problems(store))
+    report.problems.extend(_rejects_problems(store))
+    report.unlisted = _unlisted_files(store)
     if report.problems:  # content checks below would only repeat checksum failures more noisily
         return report
     for shard in store._shards:
@@ -68,6 +76,63 @@ def verify_store(url: str, *, progress: Callable[[int], None] | None = None) -> 
         except Exception as error:  # a damaged file can fail in many library-specific ways
             report.problems.append(f"{where}: unreadable ({type(error).__name__}: {error})")
     return report
+
+
+def _listing_problems(store: FeatureStore) -> list[str]:
+    """Each shard must list its sample table and every array its capture settings call for: a shard
+    whose listing lacks one was written incompletely, and checksums of the files it does list cannot tell."""
+    arrays = [fmt.hidden_array_name(layer) for layer in store.layers]
+    if store.dtype in fmt.LOSSY_DTYPES:
+        arrays += [fmt.scale_array_name(layer) for layer in store.layers]
+    problems = []
+    for shard in store.manifest["shards"]:
+        prefix = f"{fmt.SHARDS_DIR}/{shard['name']}"
+        wanted = [f"{prefix}/{fmt.SAMPLES_FILE}"] + [f"{prefix}/{name}/zarr.json" for name in arrays]
+        missing = [name for name in wanted if name not in shard["files"]]
+        if missing:
+            problems.append(f"{prefix}: the manifest does not list {', '.join(missing)} (an incomplete shard; "
+                            "extract it again)")
+    return problems
+
+
+def _rejects_problems(store: FeatureStore) -> list[str]:
+    """The rejected counts of the manifest must be what `rejects.jsonl` holds, reason by reason."""
+    counts = store.manifest["counts"]
+    recorded = Counter()
+    path = fmt.join(store.root, fmt.REJECTS)
+    if store.fs.exists(path):
+        with store.fs.open(path, "rb") as handle:
+            for number, line in enumerate(handle.read().decode("utf-8", errors="replace").splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    recorded[str(json.loads(line).get("reason", "unknown"))] += 1
+                except (ValueError, AttributeError):
+                    return [f"{fmt.REJECTS} line {number}: not a JSON object"]
+    expected = Counter({k: int(v) for k, v in (counts.get("rejected_by_reason") or {}).items() if int(v)})
+    problems = []
+    if recorded != expected:
+        problems.append(f"{fmt.REJECTS}: holds {dict(sorted(recorded.items()))} rejected records, the manifest "
+                        f"counts {dict(sorted(expected.items()))}")
+    if int(counts.get("rejected", 0)) != sum(expected.values()):
+        problems.append(f"{fmt.MANIFEST}: counts.rejected is {counts.get('rejected')}, its reasons add up to "
+                        f"{sum(expected.values())}")
+    return problems
+
+
+def _unlisted_files(store: FeatureStore) -> dict[str, int]:
+    """Files under the store that no manifest lists (the manifest, the lock and each shard's own
+    shard.json excepted)."""
+    listed = set(integrity.listed_files(store.manifest))
+    listed |= {fmt.MANIFEST, fmt.LOCK} | {f"{fmt.SHARDS_DIR}/{s['name']}/{fmt.SHARD_INFO}"
+                                         for s in store.manifest["shards"]}
+    root = store.root.rstrip("/")
+    found = {}
+    for path, info in store.fs.find(root, detail=True).items():
+        relative = path[len(root) + 1:]
+        if relative not in listed:
+            found[relative] = int(info.get("size") or 0)
+    return dict(sorted(found.items()))
 
 
 def _check_shard_content(store: FeatureStore, shard, where: str, report: VerifyReport) -> None:
