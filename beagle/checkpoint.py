@@ -49,7 +49,8 @@ def save_checkpoint(run_dir: Path, *, step: int, model: torch.nn.Module, optimiz
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step:08d}"
     tmp = root / f".step-{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in root.glob(".step-*.tmp"):  # this one's earlier attempt, or one a killed process left
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()},
               str(tmp / "model.safetensors"))

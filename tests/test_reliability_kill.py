@@ -120,6 +120,51 @@ def test_sigkill_training_after_a_checkpoint_then_resume_gives_the_same_curve(tm
     assert (part / "drafter" / "model.safetensors").read_bytes() == (full / "drafter" / "model.safetensors").read_bytes()
 
 
+def test_sigkill_in_the_middle_of_a_checkpoint_write_resumes_from_the_one_before(tmp_path):
+    """The process is frozen (SIGSTOP) while a checkpoint is half-written in its temporary folder, then
+    SIGKILLed: the run resumes from the previous whole checkpoint and its loss curve equals an
+    uninterrupted run's; the half-written folder is cleared by the next checkpoint."""
+    store = build_tiny_store(tmp_path / "store", num_samples=16)
+    train = [*TRAIN[:TRAIN.index("--checkpoint-every")], "--checkpoint-every", "1",
+             *TRAIN[TRAIN.index("--checkpoint-every") + 2:]]
+    full = tmp_path / "full"
+    _train_in_process("--store", store, "--out", str(full), *train)
+    reference = _metrics(full)
+
+    part = tmp_path / "part"
+    checkpoints = part / "checkpoints"
+    process = subprocess.Popen([BIN, "train", "--store", store, "--out", str(part), *train], env=ENV,
+                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    caught = None
+    try:
+        deadline = time.monotonic() + 240
+        while caught is None:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("never caught a checkpoint mid-write: " + (process.stdout.read() or "")[-2000:]
+                                     if process.poll() is not None else "timed out")
+            names = os.listdir(checkpoints) if checkpoints.is_dir() else []
+            partial = next((n for n in names if n.startswith(".step-") and n.endswith(".tmp")), None)
+            if partial is None or int(partial[len(".step-"):-len(".tmp")]) < 3:  # want whole ones before it
+                continue
+            os.kill(process.pid, signal.SIGSTOP)
+            if (checkpoints / partial).is_dir() and not (checkpoints / partial[1:-4]).exists():
+                caught = partial  # frozen between starting this checkpoint and committing it
+            else:
+                os.kill(process.pid, signal.SIGCONT)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        _kill_group(process)
+    step = int(caught[len(".step-"):-len(".tmp")])
+    whole = sorted(p.name for p in checkpoints.glob("step-*") if (p / "state.json").is_file())
+    assert whole and whole[-1] < f"step-{step:08d}", (caught, whole)
+
+    _train_in_process("--store", store, "--out", str(part), *train, "--resume")
+    got = _metrics(part)
+    assert [m["step"] for m in got] == [m["step"] for m in reference]
+    assert [m["loss"] for m in got] == [m["loss"] for m in reference]
+    assert not list(checkpoints.glob(".step-*.tmp"))
+
+
 # Extraction -----------------------------------------------------------------------------------------------
 
 RECORDS = 48
