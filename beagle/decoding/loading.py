@@ -12,22 +12,21 @@ from beagle.decoding.verify import check_supported
 from beagle.devices import torch_dtype
 from beagle.export import CONFIG_NAME, load_drafter
 from beagle.target_facts import facts_from_config, read_target_facts
+from beagle.target_model import load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 def load_target(model_path: str | Path, dtype: str, device: torch.device):
     """The target causal LM and its tokenizer, from a local directory (never the hub at eval time)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'} not found; --model must be a local HF model directory")
     facts = read_target_facts(path)  # an unknown model_type is refused here, before any weight is read
     logger.info("target %s (%s): %d layers, width %d, vocabulary %d", path, facts.model_type,
                 facts.num_hidden_layers, facts.hidden_size, facts.vocab_size)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(device).eval()
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, dtype=dtype, device=device)
     check_supported(model)
     return model, tokenizer
 

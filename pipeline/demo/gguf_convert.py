@@ -47,13 +47,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: torch.dty
         raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
     folder, name = str(gguf_path.parent), gguf_path.name
 
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved checkpoint holds dequantized weights
     logger.info("GGUF config: %s, d=%d, %d layers, vocab %d", config.model_type, config.hidden_size,
                 config.num_hidden_layers, config.vocab_size)
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
     tensors: dict[str, torch.Tensor] = parsed["tensors"]

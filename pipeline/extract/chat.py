@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from beagle.target_model import load_tokenizer as load_target_tokenizer
 from pipeline.extract.inputs import Record, RejectRecord
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,7 @@ class Tokenized:
 
 def load_tokenizer(model_path: str, *, trust_remote_code: bool = False) -> Any:
     """Load the target's tokenizer from a local directory; one-line ValueError when it cannot be used."""
-    from transformers import AutoTokenizer
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True,
-                                                  trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"--model {model_path}: cannot load its tokenizer ({first})") from None
+    tokenizer = load_target_tokenizer(model_path, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"--model {model_path}: the tokenizer is not a fast (Rust) tokenizer; exact loss masks "
                          "need its character offsets; add a tokenizer.json to the model directory")

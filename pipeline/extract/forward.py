@@ -18,14 +18,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from beagle.devices import pick_device, torch_dtype
+from beagle.devices import pick_device
 from beagle.target_facts import facts_from_config, read_target_facts
+from beagle.target_model import load_causal_lm, weight_files
 from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
 
 @dataclass(frozen=True)
 class ForwardConfig:
@@ -37,21 +35,6 @@ class ForwardConfig:
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     trust_remote_code: bool = False
     device_map: str | None = None  # "auto": spread layers over every GPU the actor sees (targets > 1 GPU)
-
-
-def weight_files(model_path: str) -> list[Path]:
-    """The files holding the weights (one-line ValueError when there are none)."""
-    root = Path(model_path)
-    if not root.is_dir():
-        raise ValueError(f"--model {model_path}: not a directory; pass a local model directory "
-                         "(the hub is not used)")
-    if not (root / "config.json").is_file():
-        raise ValueError(f"--model {model_path}: no config.json; this is not a transformers model directory")
-    files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)
-                   and not p.name.startswith("training_args"))
-    if not files:
-        raise ValueError(f"--model {model_path}: no weight files (*.safetensors or *.bin) next to config.json")
-    return files
 
 
 def target_fingerprint(model_path: str, dtype: str, *, trust_remote_code: bool = False) -> dict[str, Any]:
@@ -95,24 +78,14 @@ class TargetForward:
             torch.set_num_threads(config.threads)
         self.config = config
         self.device = pick_device(config.device)
-        weight_files(config.model_path)
-        # On a GPU, load straight onto it (no full copy in host memory first). One GPU per actor, or with
-        # device_map="auto" consecutive layers spread over the actor's GPUs (accelerate); inputs then go to
-        # the device of the embedding and the states come back from wherever the last layer ran.
-        device_map = config.device_map or (str(self.device) if self.device.type == "cuda" else None)
-        if config.device_map:
-            import importlib.util
-            if importlib.util.find_spec("accelerate") is None:
-                raise ValueError(f"device_map={config.device_map!r} needs the accelerate package; "
-                                 "pip install accelerate (on every node)")
-        model = AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=torch_dtype(config.dtype), local_files_only=True,
-            trust_remote_code=config.trust_remote_code, device_map=device_map)
+        # One device per actor (`.to`); with --device-map, consecutive layers spread over the actor's GPUs
+        # (accelerate): inputs then go to the device of the embedding and the states come back from
+        # wherever the last layer ran.
+        model = load_causal_lm(config.model_path, dtype=config.dtype, device=self.device,
+                               trust_remote_code=config.trust_remote_code, device_map=config.device_map)
         if config.device_map:
             self.device = model.get_input_embeddings().weight.device
-            self.model = model.eval()
-        else:
-            self.model = model.eval().to(self.device)
+        self.model = model
         base = getattr(model, model.base_model_prefix, None)
         self.base = base if isinstance(base, torch.nn.Module) else model
         self.num_layers = facts_from_config(model.config, where=f"--model {config.model_path}").num_hidden_layers

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 from beagle.devices import torch_dtype
 from beagle.target_facts import read_target_facts
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
-from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint, weight_files
+from beagle.target_model import weight_files
+from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
 from pipeline.extract.inputs import ReadResult, check_data_path, read_inputs
 from pipeline.extract.summary import ExtractSummary
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from beagle.devices import pick_device, torch_dtype
+from beagle.devices import pick_device
 from beagle.prompts import eos_token_ids, render
+from beagle.target_model import load_causal_lm
 from pipeline.extract.chat import load_tokenizer
 from pipeline.regenerate.prompts import PromptRecord
 
@@ -55,8 +56,6 @@ class ConversationGenerator:
     """Holds the target and its tokenizer; `answer` regenerates a chunk of conversations."""
 
     def __init__(self, config: GenerateConfig) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -65,9 +64,8 @@ class ConversationGenerator:
         if not isinstance(getattr(self.tokenizer, "chat_template", None), str):
             raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template; add a "
                              "chat_template to tokenizer_config.json")
-        self.model = AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=torch_dtype(config.dtype), trust_remote_code=config.trust_remote_code,
-        ).to(self.device).eval()
+        self.model = load_causal_lm(config.model_path, dtype=config.dtype, device=self.device,
+                                    trust_remote_code=config.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id

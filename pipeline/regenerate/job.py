@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from beagle.devices import DTYPES
-from pipeline.extract.forward import target_fingerprint, weight_files
+from beagle.target_model import weight_files
+from pipeline.extract.forward import target_fingerprint
 from pipeline.store import atomic
 from pipeline.store.file_lock import exclusive_lock
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool

@@ -1,0 +1,84 @@
+"""Loading a user's target model: the one place that reads its weights (`extract`, `regenerate`, `eval`).
+
+The rules (docs/reliability.md, "Untrusted models"):
+- local files only: the hub is never contacted, whatever the folder's config says;
+- weights in safetensors are loaded as they are; pickle-based files (`.bin`, `.pt`, `.pth`) only through
+  torch's `weights_only` loader, which executes no code, and that loader is trusted from torch 2.6 on
+  (CVE-2025-32434 broke it before): on an older torch they are refused with how to convert them;
+- model code shipped in the folder runs only with `trust_remote_code`;
+- the model lands on one device by `.to(device)`; `device_map` (accelerate) only when asked for.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from beagle.devices import torch_dtype
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+SAFE_WEIGHTS_ONLY_TORCH = (2, 6)  # the weights_only unpickler is safe from this version on
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def weight_files(model_path: str | Path) -> list[Path]:
+    """The files holding the weights; a one-line ValueError when the folder cannot be used as a target.
+
+    Pickle-based weights are refused unless a safetensors copy sits next to them (transformers prefers
+    it) or torch's weights_only loader is safe on this torch."""
+    root = Path(model_path)
+    if not root.is_dir():
+        raise ValueError(f"--model {model_path}: not a directory; pass a local model directory (the hub is not used)")
+    if not (root / "config.json").is_file():
+        raise ValueError(f"--model {model_path}: no config.json; this is not a transformers model directory")
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+                   and not p.name.startswith("training_args"))
+    if not files:
+        raise ValueError(f"--model {model_path}: no weight files (*.safetensors or *.bin) next to config.json")
+    pickled = [p for p in files if p.name.endswith(PICKLE_SUFFIXES)]
+    has_safetensors = any(p.name.endswith(".safetensors") for p in files)
+    if pickled and not has_safetensors and torch_version() < SAFE_WEIGHTS_ONLY_TORCH:
+        raise ValueError(
+            f"--model {model_path}: {pickled[0].name} is a pickle, which torch {torch.__version__} cannot load "
+            f"without the risk of running code in it (torch >= 2.6 can); convert it to safetensors "
+            "(load it once where you trust it, then model.save_pretrained(dir, safe_serialization=True))")
+    return files
+
+
+def load_causal_lm(model_path: str | Path, *, dtype: str, device: torch.device, trust_remote_code: bool = False,
+                   device_map: str | None = None) -> Any:
+    """The target, in eval mode, on `device` (or spread by `device_map`, which needs accelerate)."""
+    from transformers import AutoModelForCausalLM
+
+    weight_files(model_path)
+    if device_map:
+        import importlib.util
+        if importlib.util.find_spec("accelerate") is None:
+            raise ValueError(f"--device-map {device_map!r} needs the accelerate package; pip install accelerate "
+                             "(on every node)")
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch_dtype(dtype), local_files_only=True,
+                                                 trust_remote_code=trust_remote_code, device_map=device_map)
+    model = model.eval()
+    return model if device_map else model.to(device)
+
+
+def load_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """The target's tokenizer from its local folder; a one-line ValueError when it cannot be used."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"--model {model_path}: cannot load its tokenizer ({first})") from None
+    return tokenizer

@@ -1,0 +1,75 @@
+"""The one loader of a user's target (beagle/target_model.py): local files only, pickled weights only
+where torch can load them without running code, one device unless a device_map is asked for."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from beagle import target_model
+from beagle.target_model import load_causal_lm, weight_files
+from tests.tiny import build_target
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _from_pretrained_calls() -> list[tuple[str, int, ast.Call]]:
+    calls = []
+    for path in [*(ROOT / "pipeline").rglob("*.py"), *(ROOT / "beagle").rglob("*.py"), *(ROOT / "jobs").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "from_pretrained":
+                calls.append((str(path.relative_to(ROOT)), node.lineno, node))
+    return calls
+
+
+def test_every_from_pretrained_is_local_files_only_and_weights_load_in_one_place():
+    calls = _from_pretrained_calls()
+    assert calls
+    for where, line, call in calls:
+        keywords = {k.arg: k.value for k in call.keywords}
+        assert "local_files_only" in keywords and getattr(keywords["local_files_only"], "value", None) is True, \
+            f"{where}:{line}: from_pretrained without local_files_only=True"
+    model_loads = {where for where, _, call in calls if ast.unparse(call.func.value).startswith("AutoModel")}
+    assert model_loads == {"beagle/target_model.py"}, model_loads
+
+
+@pytest.fixture(scope="module")
+def pickled_target(tmp_path_factory) -> Path:
+    """A tiny target whose weights are a pytorch_model.bin (pickle) and nothing else."""
+    from transformers import AutoModelForCausalLM
+
+    directory = build_target(tmp_path_factory.mktemp("pickled") / "target")
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    for path in directory.glob("*.safetensors"):
+        path.unlink()
+    torch.save(model.state_dict(), directory / "pytorch_model.bin")  # what older checkpoints ship
+    assert [p.name for p in directory.glob("*.bin")] and not list(directory.glob("*.safetensors"))
+    return directory
+
+
+def test_pickled_weights_are_refused_where_torch_cannot_load_them_safely(pickled_target, monkeypatch):
+    monkeypatch.setattr(target_model, "torch_version", lambda: (2, 5))
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin is a pickle.*convert it to safetensors") as error:
+        load_causal_lm(pickled_target, dtype="float32", device=torch.device("cpu"))
+    assert str(pickled_target) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_pickled_weights_load_through_weights_only_on_this_torch(pickled_target, tmp_path):
+    assert target_model.torch_version() >= target_model.SAFE_WEIGHTS_ONLY_TORCH
+    assert [p.name for p in weight_files(pickled_target)] == ["pytorch_model.bin"]
+    model = load_causal_lm(pickled_target, dtype="float32", device=torch.device("cpu"))
+    reference = load_causal_lm(build_target(tmp_path / "safe"), dtype="float32", device=torch.device("cpu"))
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_one_device_without_a_device_map(tmp_path):
+    """No device_map unless asked: transformers would need accelerate for `device_map="cuda"`, which a plain
+    install lacks (every GPU actor would die at start)."""
+    model = load_causal_lm(build_target(tmp_path / "t"), dtype="float32", device=torch.device("cpu"))
+    assert getattr(model, "hf_device_map", None) is None
+    assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+    assert not model.training
