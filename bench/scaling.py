@@ -6,9 +6,11 @@ fused drafter needs (the last-layer drafters read only layer -1 of it), three dr
 same recipe and the same number of epochs, and each is measured on MT-Bench first turns with a chain of 3
 and a tree, plain and speculative decoding side by side in one process (fp32: outputs must be identical).
 
-Data: the smaller sizes are the target's own answers (`regenerate`, first ShareGPT turns, fp32, nested:
-each size holds the one before it); sizes marked `sharegpt` use ShareGPT's stored answers, because
-regenerating a million tokens takes ~2 h on 2 cores. Both are said in the table.
+Data: by default every size is ShareGPT's stored answers (the first conversations after line
+SHAREGPT_OFFSET, nested: each size holds the one before it), because `regenerate` runs at ~25 generated
+tokens/s under Ray on this 2-core CPU, ~3 h for a 300k-token store. A size written `300000` (without
+`:sharegpt`) is the target's own answers instead (`regenerate`, first ShareGPT turns, fp32, nested too).
+The table says which data each size used.
 
 Restartable: every step leaves its output in --workdir and is skipped when done (regenerate and extract
 resume their own partial work, train resumes from its last checkpoint), and results.json gains one entry
@@ -35,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import DEMO_MODEL, DEMO_QUESTIONS, DEMO_SHAREGPT, ROOT, cli, machine, require_demo  # noqa: E402
 
 LAYERS = "2,15,27,-1"       # captured once; the fused drafter reads all four, the others layer -1
+# fp32: the states of the fp32 target the drafters are measured with, and on a CPU without AMX fp32 runs
+# faster than bf16 (docs/benchmarks.md, P11)
+STORE_DTYPE = "float32"
 MAX_LENGTH = 1024
 TOKENS_PER_PROMPT = 177     # store tokens per ShareGPT first turn regenerated as the demo does (99k / 560 lines)
 SHAREGPT_OFFSET = 5_000     # ShareGPT lines whose stored answers are used start here, apart from the prompts
@@ -134,7 +139,7 @@ def extract(data: list[Path], store: Path, limit: int | None) -> None:
     started = time.perf_counter()
     flags = [arg for path in data for arg in ("--data", str(path))]
     cli("extract", "--model", str(DEMO_MODEL), *flags, "--out", str(store), "--layers", LAYERS,
-        "--max-length", str(MAX_LENGTH), "--dtype", "bfloat16", "--no-progress",
+        "--max-length", str(MAX_LENGTH), "--dtype", STORE_DTYPE, "--no-progress",
         *(("--limit", str(limit)) if limit else ()))
     log(f"extracted {store.name} in {time.perf_counter() - started:.0f}s")
 
@@ -263,7 +268,7 @@ def write_docs(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="100000,300000,1000000:sharegpt",
+    parser.add_argument("--sizes", default="100000:sharegpt,300000:sharegpt,1000000:sharegpt",
                         help="store tokens per size; ':sharegpt' = ShareGPT's answers instead of the target's own")
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "scaling"))
     parser.add_argument("--prompts", type=int, default=6, help="MT-Bench first turns measured")
@@ -280,7 +285,7 @@ def main() -> None:
         "layers": LAYERS,
         "recipe": "demo recipe (batches of 4,096 tokens, max length 1,024, draft vocabulary 8,192, lr 1e-3, "
                   "20 warm-up steps, fp32); Beagle 1 stage-1 + 1 stage-2 epoch, EAGLE-2 2 epochs; "
-                  f"store layers {LAYERS} (bf16)",
+                  f"store layers {LAYERS} ({STORE_DTYPE})",
         "eval": f"{args.prompts} MT-Bench first turns, ≤ {args.max_new_tokens} new tokens, fp32 target and drafter, "
                 f"{' and '.join(SHAPES)}, plain and speculative side by side"})
     evaluator = None
