@@ -91,3 +91,62 @@ def test_an_unreadable_tokenizer_fails_naming_the_directory(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ValueError, match=f"--model {tmp_path}: cannot load its tokenizer"):
         load_tokenizer(str(tmp_path))
+
+
+TRIMMING = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] | trim + '<|im_end|>\n' }}"
+            "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def _conversation(turns: int, seed: int, size: int = 40) -> list[dict[str, str]]:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", " ", "\n", "{{x}}", "<|im_end|>", "é", "😀", "  pad  ", "end."]
+    messages = [{"role": "system", "content": "Be brief."}] if seed % 2 else []
+    for i in range(turns):
+        text = "".join(rng.choice(words) for _ in range(int(rng.integers(0, size))))
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return messages
+
+
+@pytest.mark.parametrize("name", [*END_OF_TURN, "trimming"])
+def test_the_linear_skeleton_path_finds_the_same_spans_as_prefix_renders(tokenizers, tmp_path, name):
+    """Loss masks come from rendering the conversation's prefixes (exact, quadratic) or from a skeleton of
+    short marks (linear) whenever it proves itself exact: both must give the same spans, and a template
+    that trims contents falls back to the prefix renders."""
+    from pipeline.extract import chat
+
+    if name == "trimming":
+        build_tokenizer(tmp_path / name, template=TRIMMING)
+        tokenizer = load_tokenizer(str(tmp_path / name))
+    else:
+        tokenizer = tokenizers[name]
+    used = 0
+    for seed in range(12):
+        messages = _conversation(2 + seed * 5, seed)
+        full = chat._render(tokenizer, messages, generation_prompt=False)
+        exact = chat._spans_from_prefixes(tokenizer, messages, full)
+        skeleton = chat._spans_from_skeleton(tokenizer, messages, full)
+        if skeleton is not None:
+            assert skeleton == exact
+            used += 1
+        assert chat._assistant_spans(tokenizer, messages, full) == exact
+    if name == "trimming":
+        assert used < 12  # contents with outer whitespace are trimmed: not verbatim, so the prefix renders
+    else:
+        assert used == 12
+
+
+def test_finding_loss_masks_renders_each_content_a_fixed_number_of_times(tokenizers, monkeypatch):
+    """60 turns of 20 kB each: the characters rendered grow linearly with the conversation (the prefix
+    renders would render ~30 times its length)."""
+    from pipeline.extract import chat
+
+    tokenizer = tokenizers["chatml"]
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "x" * 20_000}
+                for i in range(60)]
+    rendered = []
+    real = chat._render
+    monkeypatch.setattr(chat, "_render", lambda *a, **k: rendered.append(len(out := real(*a, **k))) or out)
+    ids, mask = chat.tokenize_chat(tokenizer, messages)
+    full = sum(len(m["content"]) for m in messages)
+    assert sum(rendered) < 1.2 * full, (sum(rendered), full)
+    assert mask.sum() > 0.4 * len(ids)

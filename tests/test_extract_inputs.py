@@ -110,3 +110,30 @@ def test_unreadable_inputs_fail_at_once_naming_the_file(tmp_path):
     (tmp_path / "broken.json").write_text("[{\"text\": ")
     with pytest.raises(ValueError, match="broken.json: not valid JSON"):
         read_inputs([str(tmp_path / "broken.json")])
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "datasets"])
+def test_records_over_the_size_limit_are_rejected_as_too_large(tmp_path, kind):
+    """Every format: a record larger than --max-record-bytes is a `too_large` reject (JSONL lines before
+    they are even decoded), the others are read as usual."""
+    CHATS.append({"id": "huge", "text": "y" * 5000})
+    try:
+        path = _write(tmp_path, kind)
+    finally:
+        CHATS.pop()
+    default = read_inputs([str(path)])  # admits it (the datasets rows carry no `messages`: one reject there)
+    result = read_inputs([str(path)], max_record_bytes=4000)
+    [too_large] = [r for r in result.rejects if r["reason"] == "too_large"]
+    assert "--max-record-bytes 4,000" in too_large["detail"] and too_large["index"] == len(CHATS)
+    assert len(result.rejects) == len(default.rejects) + 1
+    assert [r.sample_id for r in result.records] == [r.sample_id for r in default.records][:-1]
+    assert default.records[-1].text == "y" * 5000
+
+
+def test_invalid_utf8_is_rejected_not_replaced(tmp_path):
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9 latin-1"}\n{"text": "also fine \xc3\xa9"}\n')
+    result = read_inputs([str(path)])
+    assert [r.text for r in result.records] == ["fine", "also fine é"]
+    assert [(r["reason"], r["line"]) for r in result.rejects] == [("invalid_utf8", 2)]
+    assert "line 2: byte 13 is not UTF-8" in result.rejects[0]["detail"]

@@ -102,9 +102,44 @@ def test_hostile_jsonl_is_read_and_tokenized_without_crashing(tmp_path_factory, 
         assert kind in ("sample", "reject")
         if kind == "reject":
             assert value["reason"] in REJECT_REASONS and value["detail"] is not None
+            assert value["reason"] != "tokenizer_error", value  # the actor's catch-all must never be needed
         else:
             assert 0 < len(value["input_ids"]) <= 64 and value["loss_mask"].any()
             assert np.asarray(value["input_ids"]).max() < len(tokenizer)
+
+
+def _valid(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+valid_text = hostile_text.filter(_valid)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                HealthCheck.too_slow])
+@given(turns=st.integers(50, 64), texts=st.lists(valid_text, min_size=4, max_size=8), big=st.integers(-1, 63),
+       system=st.booleans())
+def test_long_and_huge_valid_conversations_become_samples(tmp_path_factory, tokenizer, turns, texts, big, system):
+    """50+ turns of hostile but valid text, one of them a 1 MB string: read, tokenized (loss masks found in
+    linear time) and stored as a sample; never a tokenizer_error, which would mean a bug turned into a
+    reject by the tokenize task's catch-all."""
+    messages = [{"role": "system", "content": texts[0]}] if system else []
+    for i in range(turns):
+        content = texts[i % len(texts)] + f" {i}"
+        if i == big:
+            content = (content + " ") * (1_000_000 // (len(content) + 1) + 1)  # ~1 MB
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": content})
+    path = tmp_path_factory.mktemp("long") / "long.jsonl"
+    path.write_text(json.dumps({"id": "long", "messages": messages}, ensure_ascii=False) + "\n", encoding="utf-8")
+    read = read_inputs([str(path)])
+    assert not read.rejects and len(read.records) == 1
+    [(kind, value)] = tokenize_records(tokenizer, read.records, max_length=1 << 21)
+    assert kind == "sample", value
+    assert value["loss_mask"].any() and not value["truncated"]
 
 
 def test_the_generators_do_reach_every_kind_of_outcome(tmp_path, tokenizer):
@@ -120,7 +155,7 @@ def test_the_generators_do_reach_every_kind_of_outcome(tmp_path, tokenizer):
     read = read_inputs([str(path)])
     reasons = [r["reason"] for r in read.rejects]
     assert reasons.count("malformed_json") >= 2 and "duplicate_id" in reasons and "invalid_text" in reasons
-    assert "unknown_role" in reasons
+    assert "unknown_role" in reasons and "invalid_utf8" in reasons
     results = tokenize_records(tokenizer, read.records, max_length=64)
     assert [kind for kind, _ in results].count("sample") >= 2
 

@@ -396,3 +396,18 @@ def test_overwrite_keeps_a_store_of_the_same_inputs_and_clears_what_crashed_writ
     other = run_extract(replace(_config(job, out), overwrite=True, max_length=48))  # other settings: replaced
     assert other.dataset_id != summary.dataset_id and other.state != "complete"
     assert open_store(str(out)).dataset_id == other.dataset_id and verify_store(str(out)).ok
+
+
+def test_an_all_rejected_input_leaves_nothing_that_blocks_the_corrected_rerun(ray_address, job):
+    """A job whose every record is rejected stops with one line and leaves no half-made store: the rerun
+    with the corrected input (other inputs, so another dataset_id) needs no --overwrite."""
+    from pipeline.extract.pipeline import run_extract
+
+    bad = job["root"] / "all-bad.jsonl"
+    bad.write_text('{"conversations": [{"from": "tool", "value": "x"}]}\nnot json\n')
+    out = job["root"] / "corrected"
+    with pytest.raises(ValueError, match="all 2 records were rejected"):
+        run_extract(replace(_config(job, out), data=(str(bad),)))
+    assert not (out / "_pending.json").exists() and not (out / "manifest.json").exists()
+    summary = run_extract(_config(job, out))
+    assert summary.samples > 0 and verify_store(str(out)).ok

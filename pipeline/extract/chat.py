@@ -68,7 +68,25 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt
 
 
 def _assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
-    """Character spans of the assistant turns in `full`, by rendering growing prefixes."""
+    """Character spans of the assistant turns in `full` (the rendered conversation), end markers included.
+
+    Rendering growing prefixes of the conversation finds them for any prefix-stable template, but costs
+    the square of the conversation's length; the skeleton path gets the same spans in linear time and is
+    used whenever it can prove itself exact (see `_spans_from_skeleton`)."""
+    spans = _spans_from_skeleton(tokenizer, messages, full)
+    return spans if spans is not None else _spans_from_prefixes(tokenizer, messages, full)
+
+
+def _turn_span(start: int, turn: str, content: str) -> tuple[int, int]:
+    """The span of one assistant turn rendered as `turn` from `start`: its content and end-of-turn
+    marker, without the whitespace the template adds after them."""
+    at = turn.rfind(content) if content else -1
+    content_end = at + len(content) if at >= 0 else 0
+    return start, start + content_end + len(turn[content_end:].rstrip())
+
+
+def _spans_from_prefixes(tokenizer: Any, messages: list[dict[str, str]], full: str) -> list[tuple[int, int]]:
+    """Render turns[:i] (with the generation prompt) and turns[:i+1] for every assistant turn i."""
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -78,21 +96,69 @@ def _assistant_spans(tokenizer: Any, messages: list[dict[str, str]], full: str) 
         if not (upto.startswith(prefix) and full.startswith(upto)):
             raise RejectRecord("template_not_prefix_stable",
                                f"rendering turns[:{i + 1}] is not a prefix of the full conversation")
-        turn = upto[len(prefix):]
-        # Keep the content and the end-of-turn marker; drop the whitespace the template adds after it.
-        at = turn.rfind(message["content"]) if message["content"] else -1
-        content_end = at + len(message["content"]) if at >= 0 else 0
-        end = content_end + len(turn[content_end:].rstrip())
-        spans.append((len(prefix), len(prefix) + end))
+        spans.append(_turn_span(len(prefix), upto[len(prefix):], message["content"]))
+    return spans
+
+
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"  # private-use characters: no template treats them specially
+
+
+def _spans_from_skeleton(tokenizer: Any, messages: list[dict[str, str]],
+                         full: str) -> list[tuple[int, int]] | None:
+    """The prefix renders done on a skeleton whose contents are short marks, so that each costs the
+    template's markup only, then mapped to positions in `full`.
+
+    Exact when the template inserts every content verbatim, which is checked: the skeleton with each mark
+    replaced by its content must be `full` itself. None (use the prefix renders) when it is not, e.g. a
+    template that trims contents, or contents holding the mark characters."""
+    if any(_MARK_OPEN in m["content"] or _MARK_CLOSE in m["content"] for m in messages):
+        return None
+    marks = [f"{_MARK_OPEN}{i}{_MARK_CLOSE}" for i in range(len(messages))]
+    skeleton = [{**message, "content": mark} for message, mark in zip(messages, marks)]
+    skeleton_full = _render(tokenizer, skeleton, generation_prompt=False)
+    mark_ends, pieces, cursor = [], [], 0  # mark_ends[k]: (end of mark k in the skeleton, shift after it)
+    shift = 0
+    for mark, message in zip(marks, messages):
+        at = skeleton_full.find(mark, cursor)
+        if at < 0 or skeleton_full.count(mark) != 1:
+            return None
+        pieces += [skeleton_full[cursor:at], message["content"]]
+        cursor = at + len(mark)
+        shift += len(message["content"]) - len(mark)
+        mark_ends.append((at, cursor, shift))
+    pieces.append(skeleton_full[cursor:])
+    if "".join(pieces) != full:
+        return None
+
+    def real(position: int) -> int | None:
+        """Position in `full` of a skeleton position that falls outside every mark."""
+        moved = 0
+        for start, end, shift_after in mark_ends:
+            if position >= end:
+                moved = shift_after
+            elif position > start:
+                return None
+        return position + moved
+
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, skeleton[:i], generation_prompt=True)
+        upto = _render(tokenizer, skeleton[:i + 1], generation_prompt=False)
+        start, end = real(len(prefix)), real(len(upto))
+        if not (upto.startswith(prefix) and skeleton_full.startswith(upto)) or start is None or end is None:
+            return None  # let the prefix renders decide (and reject if the template truly is unstable)
+        spans.append(_turn_span(start, full[start:end], message["content"]))
     return spans
 
 
 def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    mask = np.zeros(len(offsets), dtype=bool)
+    """True for every token whose characters overlap a span; vectorised over tokens."""
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] character start, end
+    mask = np.zeros(len(bounds), dtype=bool)
     for start, end in spans:
-        for k, (a, b) in enumerate(offsets):
-            if a < end and b > start:
-                mask[k] = True
+        mask |= (bounds[:, 0] < end) & (bounds[:, 1] > start)
     return mask
 
 

@@ -31,6 +31,8 @@ REJECT_REASONS: dict[str, str] = {
     "empty_conversation": "a conversation with no turns",
     "empty_text": "a `text` record whose text is empty",
     "invalid_text": "text that is not valid Unicode (e.g. a lone surrogate escape such as \\ud800)",
+    "invalid_utf8": "a JSONL line whose bytes are not valid UTF-8 (never silently replaced)",
+    "too_large": "a record larger than --max-record-bytes (rejected before it is parsed or tokenized)",
     "no_assistant_turn": "a conversation with no assistant turn after its first user turn",
     "duplicate_id": "a record whose `id` was already seen in the inputs",
     "template_error": "the chat template raised on this conversation",
@@ -38,6 +40,11 @@ REJECT_REASONS: dict[str, str] = {
     "template_not_prefix_stable": "rendering a prefix of the conversation is not a prefix of the whole",
     "no_loss_tokens": "no assistant token is left (after truncation at --max-length)",
 }
+
+
+# Large enough for any real conversation (a 1 MB message passes), small enough that one bad line cannot
+# exhaust a tokenize worker's memory.
+DEFAULT_MAX_RECORD_BYTES = 32 << 20
 
 
 class RejectRecord(Exception):
@@ -163,8 +170,12 @@ def sha256_path(path: Path) -> str:
     return digest.hexdigest()
 
 
-def iter_raw_records(path: Path) -> Iterator[tuple[int, Any, str | None, int | None]]:
-    """Yield (index, raw object, parse error or None, line number or None) for every record."""
+def iter_raw_records(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                     ) -> Iterator[tuple[int, Any, RejectRecord | None, int | None]]:
+    """Yield (index, raw object, reject or None, line number or None) for every record.
+
+    JSONL is read as bytes, line by line: a line over `max_record_bytes` is rejected unread, one that is
+    not UTF-8 is rejected (not patched with replacement characters), then it is parsed."""
     if path.is_dir():
         import datasets
         try:
@@ -186,27 +197,52 @@ def iter_raw_records(path: Path) -> Iterator[tuple[int, Any, str | None, int | N
                 yield index, row, None, None
                 index += 1
         return
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        head = handle.read(4096).lstrip()
-        handle.seek(0)
-        if suffix == ".json" and head.startswith("["):
+    if suffix == ".json":
+        with open(path, "rb") as probe:
+            is_array = probe.read(4096).lstrip().startswith(b"[")
+        if is_array:
             try:
-                data = json.load(handle)
-            except (ValueError, RecursionError) as exc:  # JSONDecodeError, int too long, nesting too deep
+                with open(path, encoding="utf-8") as handle:
+                    data = json.load(handle)
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, int too long, nesting
                 raise ValueError(f"--data {path}: not valid JSON ({_parse_error(exc)}); fix the file or convert "
                                  "it to JSONL, where a bad line is rejected on its own") from None
             for i, row in enumerate(data):
                 yield i, row, None, None
             return
-        for i, line in enumerate(handle):
-            if not line.strip():
+    with open(path, "rb") as handle:  # bytes: a line's size is checked before it is decoded or parsed
+        for i, raw in enumerate(handle):
+            if not raw.strip():
+                continue
+            if len(raw) > max_record_bytes:
+                yield i, None, RejectRecord("too_large", f"line {i + 1}: {len(raw):,} bytes, more than "
+                                            f"--max-record-bytes {max_record_bytes:,}"), i + 1
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield i, None, RejectRecord("invalid_utf8", f"line {i + 1}: byte {exc.start} is not UTF-8"), i + 1
                 continue
             try:
                 obj = json.loads(line)
             except (ValueError, RecursionError) as exc:  # JSONDecodeError, int too long, nesting too deep
-                yield i, None, f"line {i + 1}: {_parse_error(exc)}", i + 1
+                yield i, None, RejectRecord("malformed_json", f"line {i + 1}: {_parse_error(exc)}"), i + 1
                 continue
             yield i, obj, None, i + 1
+
+
+def _text_bytes(value: Any) -> int:
+    """Bytes of the strings in a parsed row (UTF-8 length bound: 4 per character), iteratively."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += 4 * len(item) if not item.isascii() else len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def _parse_error(exc: Exception) -> str:
@@ -230,13 +266,15 @@ def check_data_path(path: str) -> Path:
     return p
 
 
-def read_inputs(paths: list[str], *, limit: int | None = None) -> ReadResult:
+def read_inputs(paths: list[str], *, limit: int | None = None,
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> ReadResult:
     """Read every input in order; stop once `limit` usable records are collected."""
-    return ReadResult(*read_records(paths, normalize_record, limit=limit))
+    return ReadResult(*read_records(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes))
 
 
-def read_records(paths: list[str], normalize: Callable[..., Any], *,
-                 limit: int | None = None) -> tuple[list[Any], list[dict[str, Any]], list[dict[str, Any]]]:
+def read_records(paths: list[str], normalize: Callable[..., Any], *, limit: int | None = None,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                 ) -> tuple[list[Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """(records, rejects, sources) of every input in order, stopping once `limit` records are usable.
 
     `normalize(obj, source=, index=, default_id=)` turns one raw record into a frozen dataclass with
@@ -254,7 +292,7 @@ def read_records(paths: list[str], normalize: Callable[..., Any], *,
         # Ids derived from position use the file name, or its hash when two inputs share a name.
         prefix = path.name if names.count(path.name) == 1 else f"{path.name}@{digest[:8]}"
         count = 0
-        for index, obj, parse_error, line in iter_raw_records(path):
+        for index, obj, unreadable, line in iter_raw_records(path, max_record_bytes=max_record_bytes):
             if limit is not None and len(records) >= limit:
                 break
             count += 1
@@ -262,8 +300,11 @@ def read_records(paths: list[str], normalize: Callable[..., Any], *,
             if line is not None:
                 where["line"] = line
             try:
-                if parse_error is not None:
-                    raise RejectRecord("malformed_json", parse_error)
+                if unreadable is not None:
+                    raise unreadable
+                if line is None and _text_bytes(obj) > max_record_bytes:  # rows of .json / Parquet / datasets
+                    raise RejectRecord("too_large", f"{_text_bytes(obj):,} bytes of text, more than "
+                                       f"--max-record-bytes {max_record_bytes:,}")
                 record = normalize(obj, source=given, index=index, default_id=f"{prefix}:{index}")
                 if record.sample_id in seen_ids:
                     raise RejectRecord("duplicate_id", f"id {record.sample_id!r} seen before")

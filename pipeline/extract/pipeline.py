@@ -22,7 +22,7 @@ from beagle.target_facts import read_target_facts
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
 from beagle.target_model import weight_files
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
-from pipeline.extract.inputs import ReadResult, check_data_path, read_inputs
+from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, ReadResult, check_data_path, read_inputs
 from pipeline.extract.summary import ExtractSummary
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
 
@@ -47,6 +47,7 @@ class ExtractConfig:
     threads: int | None = None  # torch threads per CPU actor; None: cores // workers on a local Ray
     address: str | None = None  # None: start a local Ray
     limit: int | None = None
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # larger input records are rejected as too_large
     overwrite: bool = False
     trust_remote_code: bool = False
     samples_per_shard: int = 256
@@ -99,7 +100,7 @@ def prepare(config: ExtractConfig) -> Prepared:
     facts = read_target_facts(config.model_path, trust_remote_code=config.trust_remote_code)
     layers = normalize_layers(config.layers, facts.num_hidden_layers)
     tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
-    read = read_inputs(list(config.data), limit=config.limit)
+    read = read_inputs(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
     if any(r.messages is not None for r in read.records) and not isinstance(tokenizer.chat_template, str):
         raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
                          "conversations; add a chat_template to tokenizer_config.json")
@@ -136,6 +137,8 @@ def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
     capture = {"layers": prepared.layers, "dtype": config.dtype, "max_length": config.max_length,
                "samples_per_shard": config.samples_per_shard, "limit": config.limit,
                "loss_mask": "assistant_turns", "extract_version": EXTRACT_VERSION}
+    if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older ids stay valid
+        capture["max_record_bytes"] = config.max_record_bytes
     return {"target": target, "tokenizer": tokenizer_fingerprint(config.model_path, prepared.tokenizer),
             "capture": capture, "source": {"files": prepared.read.sources}}
 
@@ -228,6 +231,7 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
                 started: float) -> ExtractSummary:
     """Inside the store lock: find the shards already committed, forward the rest, commit the manifest."""
     from pipeline.store import begin_store, compute_dataset_id, store_identity
+    from pipeline.store.writer import abandon_new_store
 
     facts = identity(prepared, target_fingerprint(config.model_path, config.dtype,
                                                   trust_remote_code=config.trust_remote_code))
@@ -241,6 +245,8 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
         tokenize_all(prepared, use_ray=True)
         summary = _base_summary(prepared, dataset_id)
         if not prepared.samples:
+            if state == "new":
+                abandon_new_store(url)  # nothing written: the corrected rerun must not meet a half-made store
             raise ValueError(f"all {summary.rejected} records were rejected ({summary.rejected_by_reason}); "
                              "nothing to extract; check the input format and --max-length")
         shards, done = _plan_shards(prepared, url)

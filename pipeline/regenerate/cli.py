@@ -5,6 +5,7 @@ import click
 
 from beagle.devices import DTYPES
 
+from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
 from pipeline.ray_session import quiet_ray_loggers
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import RegenerateConfig, run_regenerate
@@ -63,6 +64,8 @@ class _TqdmProgress:
 @click.option("--num-gpus-per-worker", type=float, default=1.0, show_default=True, help="GPUs per actor.")
 @click.option("--address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
+@click.option("--max-record-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_RECORD_BYTES, show_default=True,
+              help="Reject (as too_large, in the rejects file) any input record larger than this, unparsed.")
 @click.option("--overwrite", is_flag=True, help="Replace an output (or unfinished work) from other inputs or settings.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -70,7 +73,7 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
                max_turns: int,
                temperature: float, top_p: float, seed: int, dtype: str, batch_size: int, chunk_size: int,
                num_workers: int | None, num_gpus_per_worker: float, address: str | None, limit: int | None,
-               overwrite: bool, trust_remote_code: bool, no_progress: bool) -> None:
+               max_record_bytes: int, overwrite: bool, trust_remote_code: bool, no_progress: bool) -> None:
     """Let the target answer the prompts itself, for self-distillation.
 
     A drafter is measured on the target's own answers, so it learns most from them: run this, then
@@ -82,7 +85,8 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
                               max_prompt_length=max_prompt_length, max_turns=max_turns, batch_size=batch_size,
                               temperature=temperature,
                               top_p=top_p, seed=seed, trust_remote_code=trust_remote_code)
-    config = RegenerateConfig(generate=generate, data=tuple(data), out=out, limit=limit, chunk_size=chunk_size,
+    config = RegenerateConfig(generate=generate, data=tuple(data), out=out, limit=limit, max_record_bytes=max_record_bytes,
+                              chunk_size=chunk_size,
                               num_workers=num_workers, num_gpus_per_worker=num_gpus_per_worker, address=address,
                               overwrite=overwrite)
     progress = _TqdmProgress(enabled=not no_progress)

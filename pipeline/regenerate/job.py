@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from beagle.devices import DTYPES
 from beagle.target_model import weight_files
 from pipeline.extract.forward import target_fingerprint
+from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
 from pipeline.store import atomic
 from pipeline.store.file_lock import exclusive_lock
 from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
@@ -47,6 +48,7 @@ class RegenerateConfig:
     data: tuple[str, ...]
     out: str
     limit: int | None = None
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # larger input records are rejected as too_large
     chunk_size: int = 128            # conversations per actor task: the unit of work and of resume
     num_workers: int | None = None   # None: one per GPU, or one CPU actor
     num_gpus_per_worker: float = 1.0
@@ -142,9 +144,12 @@ def identity(config: RegenerateConfig, read: PromptRead) -> dict[str, Any]:
         generate.pop(machine_only)
     target = target_fingerprint(config.generate.model_path, config.generate.dtype,
                                 trust_remote_code=config.generate.trust_remote_code)
-    return {"version": REGENERATE_VERSION, "target": target,
-            "generate": generate, "chunk_size": config.chunk_size, "limit": config.limit,
-            "sources": read.sources}
+    facts = {"version": REGENERATE_VERSION, "target": target,
+             "generate": generate, "chunk_size": config.chunk_size, "limit": config.limit,
+             "sources": read.sources}
+    if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older outputs stay valid
+        facts["max_record_bytes"] = config.max_record_bytes
+    return facts
 
 
 def _identity_hash(facts: dict[str, Any]) -> str:
@@ -196,7 +201,7 @@ def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None
     """The whole job; rerun the same command to resume after a crash."""
     started = time.perf_counter()
     _check(config)
-    read = read_prompts(list(config.data), limit=config.limit)
+    read = read_prompts(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
     path = lock_path(config.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Held for the whole job, so two jobs never interleave chunks of one output.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from beagle.prompts import PROMPT_REJECT_REASONS, PromptRecordError, parse_prompt_record
-from pipeline.extract.inputs import RejectRecord, read_records
+from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, RejectRecord, read_records
 
 # Reasons a record can be rejected by regeneration (written to the rejects file by these keys).
 REGENERATE_REJECT_REASONS: dict[str, str] = {
@@ -64,6 +64,7 @@ class PromptRead:
     sources: list[dict[str, Any]]  # {"path", "sha256", "records"}
 
 
-def read_prompts(paths: list[str], *, limit: int | None = None) -> PromptRead:
+def read_prompts(paths: list[str], *, limit: int | None = None,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> PromptRead:
     """Read every input in order (as extraction does), stopping once `limit` usable records are collected."""
-    return PromptRead(*read_records(paths, normalize_prompt_record, limit=limit))
+    return PromptRead(*read_records(paths, normalize_prompt_record, limit=limit, max_record_bytes=max_record_bytes))

@@ -92,6 +92,19 @@ def _remove_interrupted_writes(fs: Any, root: str) -> None:
                 os.unlink(path)
 
 
+def abandon_new_store(url: str) -> None:
+    """Undo `begin_store`'s claim of a store that never got a shard (its input turned out empty or all
+    rejected), so that the corrected rerun, with other inputs, is not refused as "built from other inputs"."""
+    fs, root = fmt.open_fs(url)
+    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
+    if fs.exists(shards_dir) and fs.ls(shards_dir, detail=False):
+        raise StoreError(f"{url}: shards were written; it is an unfinished store, not an abandoned claim")
+    if fs.exists(shards_dir):
+        fs.rm(shards_dir, recursive=True)
+    if fs.exists(fmt.join(root, fmt.PENDING)):
+        fs.rm(fmt.join(root, fmt.PENDING))
+
+
 @contextmanager
 def store_lock(url: str) -> Iterator[None]:
     """Hold an exclusive lock on a local store while building it, so two jobs never write one store.
