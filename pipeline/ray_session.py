@@ -88,3 +88,4 @@ def size_actor_pool(*, items: int, num_workers: int | None, num_gpus_per_worker:
         threads = max(1, (os.cpu_count() or 1) // workers)
     resources = {"num_gpus": num_gpus_per_worker} if gpus else {"num_cpus": 1}
     return ActorPool(workers, threads, resources, "GPU" if gpus else "CPU")
+

@@ -411,3 +411,45 @@ def test_an_all_rejected_input_leaves_nothing_that_blocks_the_corrected_rerun(ra
     assert not (out / "_pending.json").exists() and not (out / "manifest.json").exists()
     summary = run_extract(_config(job, out))
     assert summary.samples > 0 and verify_store(str(out)).ok
+
+
+@pytest.fixture
+def small_filesystem(job):
+    """A real size-limited filesystem (tmpfs), which needs mount privileges (root in the CI container)."""
+    where = job["root"] / f"small-fs-{os.getpid()}-{random.randrange(1 << 30)}"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the test needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_disk_inside_a_forward_actor_stops_the_job_then_the_rerun_completes(ray_address, job, clean_store,
+                                                                                  small_filesystem):
+    """The store lives on a real filesystem too small for it: a forward actor meets ENOSPC while writing a
+    shard. The job stops with one line naming the store, the shards committed before stay, and once
+    space is freed (the tmpfs grown) the same command resumes and the store verifies and equals a clean run."""
+    from pipeline.cli import main
+
+    size = sum(p.stat().st_size for p in clean_store.rglob("*") if p.is_file())
+    subprocess.run(["mount", "-o", f"remount,size={max(64 << 10, size // 2)}", str(small_filesystem)], check=True)
+    out = small_filesystem / "store"
+    args = _extract_args(job, out, ray_address)[:-3] + ["--no-progress"]  # in-process: use this Ray
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and str(out) in lines[0], result.output
+    assert not (out / "manifest.json").exists()
+    kept = committed_shards(str(out))
+    assert kept, "nothing was committed before the disk filled: the test proves nothing"
+
+    subprocess.run(["mount", "-o", f"remount,size={4 * size + (1 << 20)}", str(small_filesystem)], check=True)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert all(committed_shards(str(out))[k] == info for k, info in kept.items())  # what was committed stayed
+    assert verify_store(str(out)).ok
+    assert _per_sample(str(out)) == _per_sample(str(clean_store))

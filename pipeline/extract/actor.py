@@ -90,17 +90,25 @@ class ShardExtractor:
             samples = pickle.loads(payload)
             states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
             forward_seconds.append(time.perf_counter() - started)
-            info = write_shard(self.store_url, int(shard_index),
-                               [{"sample_id": s["sample_id"], "input_ids": s["input_ids"],
-                                 "loss_mask": s["loss_mask"], "hidden_states": h} for s, h in zip(samples, states)],
-                               layers=self.forward.layers, dtype=self.config.dtype)
-            if not self._head_done:
-                self._ensure_head()
+            try:
+                info = write_shard(self.store_url, int(shard_index),
+                                   [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+                                     "hidden_states": h} for s, h in zip(samples, states)],
+                                   layers=self.forward.layers, dtype=self.config.dtype)
+                if not self._head_done:
+                    self._ensure_head()
+            except OSError as error:
+                # A full disk (or a lost mount, a permission) is the user's to fix: hand it to the driver as
+                # data, which raises it as the OSError it is, instead of Ray's traceback of a failed UDF.
+                infos.append(json.dumps({"os_error": {"errno": error.errno, "strerror": error.strerror,
+                                                      "filename": str(error.filename or self.store_url)}}))
+                seconds.append(time.perf_counter() - started)
+                break
             infos.append(json.dumps(info))
             seconds.append(time.perf_counter() - started)
             logger.info("shard %d: %d samples in %.2fs (pid %d, node %s)", shard_index, len(samples),
                         seconds[-1], os.getpid(), _node_id())
-        return {"shard_index": np.asarray(batch["shard_index"], dtype=np.int64),
+        return {"shard_index": np.asarray(batch["shard_index"][:len(infos)], dtype=np.int64),
                 "info": np.asarray(infos, dtype=object),
                 "seconds": np.asarray(seconds), "forward_seconds": np.asarray(forward_seconds),
                 "pid": np.full(len(infos), os.getpid(), dtype=np.int64),

@@ -198,17 +198,25 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
     logger.info("forward: %d shards on %d %s actor(s)", len(rows), pool.workers, pool.kind)
     infos = []
     for row in dataset.iter_rows():
-        info = json.loads(row["info"])
-        infos.append(info)
-        prepared.actor_pids.add(int(row["pid"]))
-        prepared.actor_nodes[int(row["shard_index"])] = str(row.get("node", ""))
-        logger.info("shard %d committed by pid %d on node %s", int(row["shard_index"]), int(row["pid"]),
-                    prepared.actor_nodes[int(row["shard_index"])])
-        prepared.actor_seconds += float(row["seconds"])
-        prepared.actor_forward_seconds += float(row["forward_seconds"])
-        if progress is not None:
-            progress.advance(info["samples"], info["tokens"])
+        _record_shard(prepared, row, infos, progress)
     return infos
+
+
+def _record_shard(prepared: Prepared, row: dict, infos: list[dict], progress: Progress | None) -> None:
+    """Account for one shard a forward actor committed; raise the OSError an actor met writing one."""
+    info = json.loads(row["info"])
+    if "os_error" in info:
+        failed = info["os_error"]
+        raise OSError(failed["errno"], failed["strerror"], failed["filename"])
+    infos.append(info)
+    prepared.actor_pids.add(int(row["pid"]))
+    prepared.actor_nodes[int(row["shard_index"])] = str(row.get("node", ""))
+    logger.info("shard %d committed by pid %d on node %s", int(row["shard_index"]), int(row["pid"]),
+                prepared.actor_nodes[int(row["shard_index"])])
+    prepared.actor_seconds += float(row["seconds"])
+    prepared.actor_forward_seconds += float(row["forward_seconds"])
+    if progress is not None:
+        progress.advance(info["samples"], info["tokens"])
 
 
 def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> ExtractSummary:
