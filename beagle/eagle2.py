@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from beagle.data import Batch
 from beagle.losses import LossSums, drafter_loss_sums
-from beagle.model import (DrafterConfig, LayerFusion, RMSNorm, SwiGLU, _SDPA_HAS_GQA, fuse_key_states, loss_head,
+from beagle.model import (DrafterConfig, LayerFusion, RMSNorm, SwiGLU, fuse_key_states, grouped_attention, loss_head,
                           register_frozen_head, rotary)
 
 DRAFTER_TYPE = "eagle2"
@@ -78,14 +78,7 @@ class Eagle2Drafter(nn.Module):
         has_key = attn_mask.any(dim=-1, keepdim=True)                          # [B, 1, Lq, 1]
         mask = attn_mask | ~has_key
         k, v = k.to(q.dtype), v.to(q.dtype)
-        groups = c.num_attention_heads // c.num_key_value_heads
-        if groups > 1 and _SDPA_HAS_GQA:
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        attn = attn * has_key.to(attn.dtype)                                   # [B, H, Lq, hd]
+        attn = grouped_attention(q, k, v, mask) * has_key.to(q.dtype)          # [B, H, Lq, hd]
         u = z + self.o_proj(attn.transpose(1, 2).reshape(B, Lq, c.num_attention_heads * c.head_dim))
         return u + self.mlp(self.post_attention_norm(u))                       # [B, Lq, d]
 

@@ -30,6 +30,23 @@ def _sdpa_has_gqa() -> bool:
 _SDPA_HAS_GQA = _sdpa_has_gqa()
 
 
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, expand: bool | None = None) -> Tensor:
+    """Masked SDPA of q [B, H, Lq, hd] over k, v [B, H_kv, Lk, hd] (H a multiple of H_kv), mask
+    [B or 1, 1, Lq, Lk] (True = visible) -> [B, H, Lq, hd].
+
+    `enable_gqa` broadcasts the KV heads without a copy, but on CUDA a masked SDPA with it runs only in the
+    math kernel (fp32 [B, H, Lq, Lk] scores); there the KV heads are expanded instead, which the
+    memory-efficient kernel takes with a mask. `expand` None: decide by device (tests force either)."""
+    groups = q.shape[1] // k.shape[1]
+    if expand is None:
+        expand = q.device.type != "cpu" or not _SDPA_HAS_GQA
+    if groups > 1 and expand:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)    # [B, H, Lk, hd]
+    elif groups > 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """Shape of the drafter; every field is copied from the target so the frozen head fits."""
@@ -256,17 +273,9 @@ class BeagleDrafter(nn.Module):
         mask = attn_mask | ~has_key
         if k.dtype != q.dtype:  # autocast leaves projections in bf16 but q may come out in fp32
             k, v = k.to(q.dtype), v.to(q.dtype)
-        attn = self._attention(q, k, v, mask) * has_key.to(q.dtype)         # [B, H, Lq, hd]
+        attn = grouped_attention(q, k, v, mask) * has_key.to(q.dtype)       # [B, H, Lq, hd]
         u = x + self.o_proj(attn.transpose(1, 2).reshape(B, Lq, c.num_attention_heads * c.head_dim))
         return u + self.mlp(self.post_attention_norm(u))                    # [B, Lq, d]
-
-    def _attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        if groups > 1 and _SDPA_HAS_GQA:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft states [B, Lq, d] -> logits [B, Lq, V] through the target's frozen LM head."""

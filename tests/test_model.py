@@ -78,3 +78,19 @@ def test_export_then_reload_gives_identical_logits(tmp_path):
 def test_load_refuses_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_drafter(tmp_path, embed_tokens=torch.zeros(50, 32), lm_head=torch.zeros(50, 32))
+
+
+def test_grouped_attention_expanded_equals_broadcast_heads():
+    """The CUDA path (KV heads expanded, so the memory-efficient kernel takes the mask) and the CPU path
+    (enable_gqa) compute the same attention."""
+    from beagle.model import grouped_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 5, 16, generator=generator)             # [B, H, Lq, hd]
+    k, v = torch.randn(2, 2, 7, 16, generator=generator), torch.randn(2, 2, 7, 16, generator=generator)
+    mask = torch.rand(2, 1, 5, 7, generator=generator) > 0.4
+    mask[..., 0] = True                                             # every row sees a key
+    expanded = grouped_attention(q, k, v, mask, expand=True)
+    broadcast = grouped_attention(q, k, v, mask, expand=False)
+    assert expanded.shape == (2, 8, 5, 16)
+    torch.testing.assert_close(expanded, broadcast, rtol=1e-5, atol=1e-6)

@@ -117,11 +117,13 @@ class TargetForward:
         need_all = any(layer != -1 for layer in self.layers)
         output = self.base(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                            output_hidden_states=need_all, use_cache=False)
-        picked = [output.last_hidden_state if layer == -1 else output.hidden_states[layer]
+        # Each wanted layer leaves its device on its own (with --device-map they sit on different GPUs) and is
+        # stacked on the host; the other n+1-k layers' states are freed with `output` right after.
+        picked = [(output.last_hidden_state if layer == -1 else output.hidden_states[layer]).to("cpu")
                   for layer in self.layers]  # n_layers x [B, L, d]
+        del output
         # One layer: a view, no copy. Per-sample slices stay views of the batch until the shard is written.
         stacked = picked[0].unsqueeze(1) if len(picked) == 1 else torch.stack(picked, dim=1)  # [B, n_layers, L, d]
-        stacked = stacked.to("cpu")
         return [stacked[row, :, :len(sequence)] for row, sequence in enumerate(sequences)]
 
     def hidden_states(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
