@@ -30,12 +30,13 @@ class Batch:
     row_start: int = 0                # data parallel: first row of this micro-batch in the global batch
     global_rows: int | None = None    # rows of the global batch (None: this batch is the global batch)
     key_states: Tensor | None = None  # [B, L, n_layers * d] float32: the key layers, for fused keys
+    token_count: int | None = None    # sum of lengths, known on the host when the batch is built
 
     def to(self, device: torch.device) -> "Batch":
         key_states = None if self.key_states is None else self.key_states.to(device, non_blocking=True)
         return Batch(*(t.to(device, non_blocking=True) for t in
                        (self.input_ids, self.loss_mask, self.hidden, self.lengths)),
-                     self.row_start, self.global_rows, key_states)
+                     self.row_start, self.global_rows, key_states, self.tokens)
 
     def key_input(self, fused: bool) -> Tensor:
         """What a drafter's true keys are made of: the key layers' states for fused keys, else `hidden`."""
@@ -56,7 +57,9 @@ class Batch:
 
     @property
     def tokens(self) -> int:
-        return int(self.lengths.sum())
+        """Real tokens in the batch; from the host's count when there is one (reading `lengths` on a
+        device would wait for it)."""
+        return self.token_count if self.token_count is not None else int(self.lengths.sum())
 
 
 def fingerprint(target: dict) -> dict[str, Any]:
@@ -207,7 +210,8 @@ def collate(samples: list[tuple[Tensor, ...]], *, pad_to: int = 0, hidden_size: 
         ids[b, :n], mask[b, :n], hidden[b, :n], lengths[b] = i, m, h, n
         if keys:
             key_states[b, :n] = keys[0]
-    return Batch(ids, mask, hidden, lengths, key_states=key_states)
+    return Batch(ids, mask, hidden, lengths, key_states=key_states,
+                 token_count=sum(int(s[0].shape[0]) for s in samples))
 
 
 class Loader:

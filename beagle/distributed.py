@@ -142,10 +142,12 @@ class StepStats:
     correct: list[int]
     count: list[int]
     tokens: int
+    grad_norm: float | None = None
 
 
-def step_stats(result: Any, tokens: int, ctx: DistContext) -> StepStats:
-    """The global batch's loss terms, accuracy counts and tokens (sums over ranks) for metrics.
+def step_stats(result: Any, tokens: int, ctx: DistContext, grad_norm: torch.Tensor | None = None) -> StepStats:
+    """The global batch's loss terms, accuracy counts and tokens (sums over ranks) for metrics, and the
+    gradient norm (the same on every rank after DDP's all-reduce, so not summed).
 
     The step's one host synchronisation: everything is gathered into one tensor first."""
     device = result.loss.device
@@ -155,7 +157,10 @@ def step_stats(result: Any, tokens: int, ctx: DistContext) -> StepStats:
         torch.tensor([tokens], dtype=torch.float64, device=device)])                   # [3 + 2k + 1]
     if ctx.enabled:
         dist.all_reduce(values)
+    if grad_norm is not None:
+        values = torch.cat([values, grad_norm.detach().double().reshape(1).to(device)])
     values = values.cpu().tolist()
+    norm = values.pop() if grad_norm is not None else None
     k = result.correct.numel()
     ints = [int(round(c)) for c in values[3:]]
-    return StepStats(values[0], values[1], values[2], ints[:k], ints[k:2 * k], ints[-1])
+    return StepStats(values[0], values[1], values[2], ints[:k], ints[k:2 * k], ints[-1], norm)

@@ -179,4 +179,4 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
     return drafter_loss_sums(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1), depths,
                              loss_head(model), num_depths=1, depth_weights=None,
                              regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk,
-                             scale=LOSS_SCALE)
+                             scale=LOSS_SCALE, compact=settings.compact_rows)

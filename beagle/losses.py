@@ -122,21 +122,28 @@ class DepthSums:
 
 
 def depth_sums(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
-               num_depths: int, chunk_size: int) -> DepthSums:
-    """Sum the losses of rows hidden/target_hidden [N, d] with weight [N] (0 drops a row) per depth [N] in 1..k."""
-    keep = weight > 0
-    hidden, target_hidden, weight, depth = hidden[keep], target_hidden[keep], weight[keep], depth[keep]
+               num_depths: int, chunk_size: int, compact: bool = True) -> DepthSums:
+    """Sum the losses of rows hidden/target_hidden [N, d] with weight [N] (0 drops a row) per depth [N] in 1..k.
+
+    compact: drop the weight-0 rows before the LM head (boolean indexing: a host synchronisation, free on
+    a CPU); else every row goes through it and dropped rows are zeroed, with no synchronisation (what an
+    accelerator wants: its queue never waits for the host)."""
+    keep = weight > 0                                                                   # [N]
+    if compact:
+        hidden, target_hidden, weight, depth = hidden[keep], target_hidden[keep], weight[keep], depth[keep]
+        keep = torch.ones_like(weight, dtype=torch.bool)
     ce, arg_q, arg_t = soft_cross_entropy(hidden, target_hidden, lm_head, chunk_size)  # [N] each
     reg = regression_loss(hidden, target_hidden)                                        # [N]
+    zero = torch.zeros((), device=hidden.device)
     index = depth - 1
     zeros = torch.zeros(num_depths, device=hidden.device)
+    counts = torch.zeros(num_depths, dtype=torch.long, device=hidden.device)
     return DepthSums(
-        token=zeros.index_add(0, index, ce * weight),
-        regression=zeros.index_add(0, index, reg * weight),
+        token=zeros.index_add(0, index, torch.where(keep, ce * weight, zero)),
+        regression=zeros.index_add(0, index, torch.where(keep, reg * weight, zero)),
         weight=zeros.index_add(0, index, weight.float()),
-        correct=torch.zeros(num_depths, dtype=torch.long, device=hidden.device).index_add(
-            0, index, (arg_q == arg_t).long()),
-        count=torch.bincount(index, minlength=num_depths))
+        correct=counts.index_add(0, index, ((arg_q == arg_t) & keep).long()),
+        count=counts.index_add(0, index, keep.long()))
 
 
 def depth_scale(global_weight: Tensor, depth_weights: list[float] | None) -> Tensor:
@@ -176,8 +183,9 @@ class LossSums:
 
 def drafter_loss_sums(hidden: Tensor, target_hidden: Tensor, weight: Tensor, depth: Tensor, lm_head: Tensor, *,
                       num_depths: int, depth_weights: list[float] | None, regression_weight: float,
-                      chunk_size: int, scale: float = 1.0) -> LossSums:
+                      chunk_size: int, scale: float = 1.0, compact: bool = True) -> LossSums:
     """Loss sums over rows: hidden/target_hidden [N, d], weight [N] (0 drops a row), depth [N] in 1..k,
     to be normalised as `depth_scale` says."""
-    sums = depth_sums(hidden, target_hidden, weight, depth, lm_head, num_depths=num_depths, chunk_size=chunk_size)
+    sums = depth_sums(hidden, target_hidden, weight, depth, lm_head, num_depths=num_depths, chunk_size=chunk_size,
+                      compact=compact)
     return LossSums(sums, depth_weights, regression_weight, scale)

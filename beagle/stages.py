@@ -32,14 +32,18 @@ class StageSettings:
     vocab_chunk: int
     detach_feedback: bool = False
     recompute: bool = True      # activation checkpointing per stage-2 step (flat memory)
+    # Drop loss-less rows before the LM head (a host sync: free on a CPU); off on accelerators, whose
+    # training step then never waits for the host (losses.depth_sums).
+    compact_rows: bool = True
 
     @classmethod
-    def from_config(cls, config: TrainConfig, state_rms: float) -> "StageSettings":
+    def from_config(cls, config: TrainConfig, state_rms: float,
+                    device: torch.device | None = None) -> "StageSettings":
         """The settings of a training run; `state_rms` turns the relative noise into an absolute std."""
         return cls(window_size=config.window_size, simulation_steps=config.simulation_steps,
                    noise_std=config.noise_std * state_rms, regression_weight=config.regression_weight,
                    vocab_chunk=config.vocab_chunk, detach_feedback=config.detach_feedback,
-                   recompute=config.stage2_recompute)
+                   recompute=config.stage2_recompute, compact_rows=device is None or device.type == "cpu")
 
 
 def _row_weights(batch: Batch, offset: int, window_size: int) -> Tensor:
@@ -49,8 +53,7 @@ def _row_weights(batch: Batch, offset: int, window_size: int) -> Tensor:
     weight[:, :-1] = batch.loss_mask[:, 1:].float()
     pos = torch.arange(L, device=weight.device)
     w = window_index(pos, window_size, offset)
-    weight[:, w == w[0]] = 0.0                       # first window: nothing true to attend to
-    return weight
+    return weight * (w != w[0])                      # first window: nothing true to attend to (no sync)
 
 
 def noisy_keys(model: BeagleDrafter, batch: Batch, noise_std: float,
@@ -82,7 +85,7 @@ def stage1_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
     return drafter_loss_sums(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1),
                              depths.reshape(-1), loss_head(model), num_depths=settings.window_size,
                              depth_weights=None, regression_weight=settings.regression_weight,
-                             chunk_size=settings.vocab_chunk)
+                             chunk_size=settings.vocab_chunk, compact=settings.compact_rows)
 
 
 StepReduce = Callable[[int, Tensor, Tensor], tuple[Tensor, ...]]
@@ -181,7 +184,8 @@ def stage2_loss(model: BeagleDrafter, batch: Batch, offset: int, settings: Stage
         sums = depth_sums(hidden.reshape(-1, d), batch.hidden[:, q_pos].reshape(-1, d),
                           weight_all[:, q_pos].reshape(-1),
                           torch.full((B * q_pos.numel(),), step, device=q_pos.device, dtype=torch.long),
-                          loss_head(model), num_depths=k, chunk_size=settings.vocab_chunk)
+                          loss_head(model), num_depths=k, chunk_size=settings.vocab_chunk,
+                          compact=settings.compact_rows)
         return sums.token, sums.regression, sums.correct, sums.count
 
     steps = simulate(model, batch, offset, settings, generator, reduce=step_loss)

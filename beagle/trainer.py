@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -145,7 +146,8 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
                         seed=config.seed, epoch=e) for e in range(len(_phases(config)))]
     total = sum(len(p) for p in plans)
     run = _Run(run_dir, config, ctx, data, device, dtype, model, optimizer,
-               torch.Generator(device=device).manual_seed(config.seed), StageSettings.from_config(config, state_rms),
+               torch.Generator(device=device).manual_seed(config.seed),
+               StageSettings.from_config(config, state_rms, device),
                draft_tokens, plans, total if config.max_steps is None else min(total, config.max_steps))
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, generator=run.generator)
@@ -238,7 +240,7 @@ def _optimizer_step(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Calla
     config, ctx = run.config, run.ctx
     t0 = time.perf_counter()
     batch = batch.to(run.device)
-    offset = int(torch.randint(config.window_size, (1,), generator=run.generator, device=run.device))
+    offset = window_offset(config.seed, run.step, config.window_size)
     lr = _learning_rate(config, run.step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
@@ -250,16 +252,22 @@ def _optimizer_step(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Calla
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
     run.optimizer.step()
     run.step += 1
-    stats = distributed.step_stats(result, batch.tokens, ctx)  # the global batch's
+    stats = distributed.step_stats(result, batch.tokens, ctx, grad_norm)  # the global batch's; the one sync
     busy = time.perf_counter() - t0 + wait
     return {
         "step": run.step, "stage": stage, "epoch": epoch, "loss": stats.loss,
         "token_loss": stats.token_loss, "regression_loss": stats.regression_loss,
         "accuracy": [c / n if n else None for c, n in zip(stats.correct, stats.count)],
         "rows": stats.count, "tokens": stats.tokens, "lr": lr,
-        "grad_norm": float(grad_norm), "tokens_per_s": stats.tokens / max(busy, 1e-9),
+        "grad_norm": stats.grad_norm, "tokens_per_s": stats.tokens / max(busy, 1e-9),
         "data_wait_fraction": wait / max(busy, 1e-9),
     }
+
+
+def window_offset(seed: int, step: int, window_size: int) -> int:
+    """The step's window offset (docs/method.md §2), drawn on the host from (seed, step): no device
+    generator to wait for, and a resumed run draws the same offsets."""
+    return random.Random(seed * 1_000_003 + step).randrange(window_size)
 
 
 def _learning_rate(config: TrainConfig, step: int) -> float:
