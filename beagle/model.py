@@ -265,7 +265,8 @@ class BeagleDrafter(nn.Module):
         A query that sees no key gets a zero attention output (finite, no NaN)."""
         c = self.config
         B, Lq = input_ids.shape
-        x = F.embedding(input_ids, self.embed_tokens)                       # [B, Lq, d]
+        # In the weights' dtype: a bf16-kept frozen embedding must not start a bf16 residual stream in training
+        x = F.embedding(input_ids, self.embed_tokens).to(self.q_proj.weight.dtype)   # [B, Lq, d]
         q = self.q_proj(self.input_norm(x)).view(B, Lq, c.num_attention_heads, c.head_dim)
         q = rotary(q.transpose(1, 2), positions, c.rope_theta)              # [B, H, Lq, hd]
         has_key = attn_mask.any(dim=-1, keepdim=True)                       # [B, 1, Lq, 1]

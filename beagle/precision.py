@@ -40,8 +40,18 @@ def autocast(device: torch.device, dtype: torch.dtype) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
-def keep_loss_head_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Keep the frozen loss head (the draft vocabulary's rows, or the whole LM head) once in `dtype`,
-    so that bf16 steps do not recast [V, d] rows chunk by chunk, twice per step."""
-    if dtype != torch.float32:
-        model.register_buffer("loss_head", loss_head(model).to(dtype), persistent=False)
+def keep_frozen_head_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Keep the frozen embedding, LM head and loss head (the draft vocabulary's rows, or the LM head
+    itself) once each, in `dtype`: bf16 steps then never recast [V, d] rows chunk by chunk, and no fp32
+    copy sits next to the bf16 one (at a 262k vocabulary and d = 4096, 8.6 GB of fp32 per rank saved).
+    Exact for heads read from a bf16 store; the trainable weights stay fp32 (autocast's master weights)."""
+    if dtype == torch.float32:
+        return
+    restricted = getattr(model, "loss_head", None)
+    model.embed_tokens = model.embed_tokens.to(dtype)     # registered buffers: stay non-persistent
+    model.lm_head = model.lm_head.to(dtype)
+    if restricted is not None:
+        model.loss_head = restricted.to(dtype)
+    log.info("frozen head kept in %s: %.1f MiB", dtype, sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in (model.embed_tokens, model.lm_head,
+                                                                    loss_head(model))}.values()) / 2**20)

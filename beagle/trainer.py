@@ -24,7 +24,7 @@ from beagle.eagle2 import Eagle2Drafter, eagle2_loss
 from beagle.export import save_drafter
 from beagle.losses import LossSums
 from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
-from beagle.precision import autocast, keep_loss_head_in, training_dtype
+from beagle.precision import autocast, keep_frozen_head_in, training_dtype
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
 from beagle.train_config import TrainConfig
 
@@ -186,7 +186,7 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
     draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size)
     if draft_tokens is not None:
         restrict_loss_vocabulary(model, draft_tokens)
-    keep_loss_head_in(model, dtype)
+    keep_frozen_head_in(model, dtype)
     return model, drafter_config, draft_tokens
 
 

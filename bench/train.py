@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from beagle.data import Batch, Loader, StoreSet, plan_epoch  # noqa: E402
 from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary  # noqa: E402
-from beagle.precision import cpu_has_native_bf16, keep_loss_head_in  # noqa: E402
+from beagle.precision import cpu_has_native_bf16, keep_frozen_head_in  # noqa: E402
 from beagle.stages import StageSettings, stage1_loss, stage2_loss  # noqa: E402
 from bench.common import emit, record  # noqa: E402
 from bench.profiling import count_saved_bytes  # noqa: E402
@@ -122,7 +122,7 @@ def precision_ratio(cfg: DrafterConfig, batch: Batch, device: torch.device, draf
                               torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(device)
         if 0 < draft_vocab < cfg.vocab_size:
             restrict_loss_vocabulary(model, torch.arange(draft_vocab))
-        keep_loss_head_in(model, dtype)
+        keep_frozen_head_in(model, dtype)
         seconds[dtype] = sum(
             _measure(model, batch, fn, _settings(5, s), device, dtype == torch.bfloat16, repeats)[0]
             for fn, s in ((stage1_loss, 5), (stage2_loss, 4)))

@@ -61,3 +61,32 @@ def test_bf16_on_cpu_learns_like_fp32_and_its_export_drafts_in_both_dtypes(store
         assert len(spec.tokens) == 24 and spec.target_passes <= 24
         if dtype == torch.float32:                  # bf16 rounds one- and many-token passes differently
             assert spec.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_bf16_keeps_one_bf16_copy_of_a_262k_head(restricted):
+    """At a 262k vocabulary the frozen head dominates a rank's memory: a bf16 run keeps the embedding, the
+    LM head and the loss head once each in bf16 (the loss head is the LM head itself unless a draft
+    vocabulary is restricted), never an fp32 copy beside them."""
+    from beagle.model import BeagleDrafter, DrafterConfig, loss_head, restrict_loss_vocabulary
+    from beagle.precision import keep_frozen_head_in
+
+    V, d = 262_144, 32
+    config = DrafterConfig(hidden_size=d, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           intermediate_size=64, vocab_size=V)
+    model = BeagleDrafter(config, torch.randn(V, d).bfloat16().float(), torch.randn(V, d).bfloat16().float())
+    lm_head = model.lm_head.clone()
+    if restricted:
+        restrict_loss_vocabulary(model, torch.arange(0, V, 32))  # 8,192 rows
+    keep_frozen_head_in(model, torch.bfloat16)
+    frozen = {id(t): t for t in (model.embed_tokens, model.lm_head, loss_head(model))}.values()
+    assert {t.dtype for t in frozen} == {torch.bfloat16}
+    rows = 2 * V + (V // 32 if restricted else 0)
+    assert sum(t.numel() * t.element_size() for t in model.buffers()) == rows * d * 2
+    assert torch.equal(model.lm_head.float(), lm_head)  # exact: the head came from bf16 values
+    assert not [name for name, _ in model.named_buffers() if name not in ("embed_tokens", "lm_head", "loss_head")]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model.forward_hidden(torch.tensor([[1, 2, 3]]), torch.arange(3)[None],
+                                      *model.project_keys(torch.randn(1, 3, d), torch.arange(3)[None]),
+                                      torch.ones(1, 1, 3, 3, dtype=torch.bool).tril())
+    assert hidden.shape == (1, 3, d) and torch.isfinite(hidden).all()
