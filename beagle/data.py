@@ -169,9 +169,13 @@ class StoreSet:
         return (total / max(count, 1)) ** 0.5
 
 
-def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int, epoch: int) -> list[list[int]]:
+def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int, epoch: int,
+               min_rows: int = 1) -> list[list[int]]:
     """Token-budget batches for one epoch: shuffle, sort by length inside groups of 256 samples to
-    cut padding, pack while B * max_len <= batch_tokens, then shuffle the batches."""
+    cut padding, pack while B * max_len <= batch_tokens, then shuffle the batches.
+
+    min_rows: every batch gets at least this many samples (the data-parallel world size, so that no rank
+    is handed an empty slice), even where that exceeds the budget; a short tail joins the batch before it."""
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))
     clipped = np.minimum(lengths, limit)
@@ -182,13 +186,18 @@ def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int,
         longest = 0
         for i in group:
             new_longest = max(longest, int(clipped[i]))
-            if current and (len(current) + 1) * new_longest > batch_tokens:
+            if len(current) >= min_rows and (len(current) + 1) * new_longest > batch_tokens:
                 batches.append(current)
                 current, new_longest = [], int(clipped[i])
             current.append(i)
             longest = new_longest
-        if current:
+        if len(current) < min_rows and batches:
+            batches[-1].extend(current)  # too few rows for every rank: ride with the batch before
+        elif current:
             batches.append(current)
+    if min_rows > 1 and sum(len(b) for b in batches) < min_rows:
+        raise ValueError(f"{len(lengths)} samples cannot give each of {min_rows} data-parallel ranks a row; "
+                         "use fewer workers or more data")
     return [batches[i] for i in rng.permutation(len(batches))]
 
 

@@ -31,7 +31,8 @@ class TrainConfig:
     stage2_recompute: bool = True         # recompute each stage-2 step in backward: memory flat in s
     fuse_layers: bool = False             # keys from a fusion of every layer the stores captured (EAGLE-3 style)
     # optimisation
-    batch_tokens: int = 4096              # padded tokens per batch (B * max length)
+    batch_tokens: int = 4096              # padded tokens per batch (B * max length), the global batch under DDP
+    min_batch_rows: int = 1               # samples per batch at least; raised to the data-parallel world size
     max_length: int | None = None         # truncate samples; default batch_tokens
     lr: float = 3e-5
     warmup_steps: int = 2000
@@ -57,6 +58,7 @@ class TrainConfig:
             (self.stage1_epochs + self.stage2_epochs > 0, "stage1_epochs + stage2_epochs must be > 0"),
             (self.max_steps is None or self.max_steps > 0, "max_steps must be > 0"),
             (self.batch_tokens >= 2, "batch_tokens must be >= 2"),
+            (self.min_batch_rows >= 1, "min_batch_rows must be >= 1"),
             (self.max_length is None or self.max_length >= 2, "max_length must be >= 2"),
             (self.lr > 0, "lr must be > 0"),
             (self.warmup_steps >= 0, "warmup_steps must be >= 0"),

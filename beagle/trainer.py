@@ -143,7 +143,8 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
     if ctx.is_main:
         _write_run_config(run_dir, config, data, drafter_config, state_rms, dtype)
     plans = [plan_epoch(data.lengths, batch_tokens=config.batch_tokens, limit=config.sequence_limit,
-                        seed=config.seed, epoch=e) for e in range(len(_phases(config)))]
+                        seed=config.seed, epoch=e, min_rows=max(config.min_batch_rows, ctx.world_size))
+             for e in range(len(_phases(config)))]
     total = sum(len(p) for p in plans)
     run = _Run(run_dir, config, ctx, data, device, dtype, model, optimizer,
                torch.Generator(device=device).manual_seed(config.seed),

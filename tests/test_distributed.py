@@ -23,8 +23,10 @@ from tests.tiny_store import build_tiny_store
 
 ROOT = Path(__file__).parent.parent
 # 1 stage-1 epoch + 1 stage-2 epoch over 10 samples of 12-40 tokens: 3 + 3 batches of up to 160 tokens.
+# min_batch_rows=2: the plan of two ranks (each needs a row of every batch) and of one process is the same
 SMALL = dict(batch_tokens=160, lr=3e-3, warmup_steps=2, window_size=3, simulation_steps=2, vocab_chunk=128,
-             stage1_epochs=1, stage2_epochs=1, device="cpu", checkpoint_every=100)
+             stage1_epochs=1, stage2_epochs=1, device="cpu", checkpoint_every=100, min_batch_rows=2)
+STEPS = 4  # two epochs of two batches: the 10 samples packed at 160 tokens, at least 2 per batch
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +79,8 @@ def _assert_same_run(single: Path, multi: Path) -> None:
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-5, rtol=0), (name, float((a[name] - b[name]).abs().max()))
     ma, mb = _metrics(single), _metrics(multi)
-    assert len(ma) == len(mb) == 6  # only rank 0 logged
-    assert [m["stage"] for m in mb] == [1, 1, 1, 2, 2, 2]
+    assert len(ma) == len(mb) == STEPS  # only rank 0 logged
+    assert [m["stage"] for m in mb] == [1, 1, 2, 2]
     for x, y in zip(ma, mb):
         assert x["tokens"] == y["tokens"] and x["rows"] == y["rows"]
         assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-5
@@ -90,7 +92,7 @@ def _assert_same_run(single: Path, multi: Path) -> None:
 def single_run(store, tmp_path_factory):
     run = tmp_path_factory.mktemp("single") / "run"
     result = train([store], run, TrainConfig(**SMALL), draw_curves=False)
-    assert result.steps == 6
+    assert result.steps == STEPS
     return run
 
 
@@ -106,7 +108,7 @@ def test_torchrun_two_gloo_ranks_match_one_process(store, single_run, tmp_path):
          "--config", str(config), "--no-progress"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("trained 6 steps") == 2  # both ranks finished the same number of steps
+    assert out.stdout.count(f"trained {STEPS} steps") == 2  # both ranks finished the same number of steps
     _assert_same_run(single_run, run)
     assert len(list((run / "checkpoints").iterdir())) == 1  # rank 0 alone saved, once at the end
 
@@ -123,7 +125,7 @@ def test_ray_train_two_workers_match_one_process(store, single_run, tmp_path):
         final = launch([store], tmp_path / "ray", TrainConfig(**SMALL), num_workers=2)
     finally:
         ray.shutdown()
-    assert final["steps"] == 6 and np.isfinite(final["loss"])
+    assert final["steps"] == STEPS and np.isfinite(final["loss"])
     _assert_same_run(single_run, tmp_path / "ray")
 
 
@@ -144,3 +146,20 @@ def test_ddp_wrapper_does_not_rebroadcast_the_frozen_head(tmp_path):
         assert runner.broadcast_buffers is False
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_every_rank_gets_rows_of_every_batch(world):
+    """--batch-tokens is the global batch: with many ranks and a small budget, a batch of fewer rows than
+    ranks would hand some ranks nothing. Every planned batch has at least one row per rank, and every
+    sample is planned exactly once."""
+    from beagle.distributed import shard_bounds
+
+    lengths = np.random.default_rng(0).integers(5, 300, size=601)
+    plan = plan_epoch(lengths, batch_tokens=300, limit=256, seed=1, epoch=0, min_rows=world)
+    assert sorted(i for batch in plan for i in batch) == list(range(len(lengths)))
+    for batch in plan:
+        slices = [shard_bounds(len(batch), rank, world) for rank in range(world)]
+        assert all(hi > lo for lo, hi in slices), (len(batch), slices)
+    one_rank = plan_epoch(lengths, batch_tokens=300, limit=256, seed=1, epoch=0)
+    assert min(len(b) for b in one_rank) < world <= min(len(b) for b in plan)  # the guard did something
