@@ -110,3 +110,44 @@ def test_training_from_s3_through_a_local_cache(s3_store, tmp_path):
                    cache_dir=str(cache), draw_curves=False)
     assert result.steps == 2
     assert any(p.is_file() for p in cache.rglob("*"))
+
+
+def test_two_jobs_into_one_s3_store_the_second_is_refused_and_deletes_nothing(s3_bucket, tmp_path):
+    """Object stores have no flock: the first job's lock object (a conditional write, with a lease) makes
+    a second extraction into the same URL stop at once, before any Ray work, and leaves the first job's
+    shards alone. A lock whose lease has run out (a dead job) is taken over."""
+    import time
+
+    import s3fs
+    import torch
+
+    from pipeline.extract.store_tensors import write_shard
+    from pipeline.store import StoreConflictError
+    from pipeline.store.writer import store_lock, write_store
+    from tests.test_store import build, make_samples
+
+    target = build_target(tmp_path / "target", template="chatml")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+    url = f"{s3_bucket}/stores/contended"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    samples = make_samples(2, torch.float32)
+    with store_lock(url):  # the first job, mid-way: it holds the store and has committed a shard
+        write_shard(url, 0, samples, layers=[-1], dtype="float32")
+        assert fs.exists(f"{url}/_lock.json")
+        config = ExtractConfig(model_path=str(target), data=(str(chats),), out=url, dtype="float32", max_length=64,
+                               overwrite=True)
+        with pytest.raises(StoreConflictError, match=r"being written by another job .*_lock\.json"):
+            run_extract(config)
+        assert fs.exists(f"{url}/shards/shard-00000/shard.json")  # nothing of the first job was deleted
+    assert not fs.exists(f"{url}/_lock.json")  # released at the end
+
+    dead = {"owner": "crashed-host:1:abc", "expires": time.time() - 1}
+    fs.pipe_file(f"{url}-2/_lock.json", json.dumps(dead).encode())
+    build(f"{url}-2", make_samples(3, torch.float32), "float32")  # takes the expired lock over
+    assert open_store(f"{url}-2").manifest["counts"]["samples"] == 3 and not fs.exists(f"{url}-2/_lock.json")
+    live = {"owner": "busy-host:2:def", "expires": time.time() + 600}
+    fs.pipe_file(f"{url}-3/_lock.json", json.dumps(live).encode())
+    with pytest.raises(StoreConflictError, match="busy-host"):
+        write_store(f"{url}-3", [], head=b"", target={}, tokenizer={}, capture={"layers": [-1], "dtype": "float32"},
+                    source={})

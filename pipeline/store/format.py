@@ -22,6 +22,7 @@ FORMAT_VERSION = 1
 
 MANIFEST = "manifest.json"
 LOCK = "_lock"  # local stores: flock-ed by the one job writing the store
+LOCK_OBJECT = "_lock.json"  # object stores: the writing job's claim, with a lease (object_lock.py)
 PENDING = "_pending.json"  # written when a store is started; names the dataset_id being built
 HEAD = "head.safetensors"
 REJECTS = "rejects.jsonl"

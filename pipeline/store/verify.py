@@ -124,7 +124,7 @@ def _unlisted_files(store: FeatureStore) -> dict[str, int]:
     """Files under the store that no manifest lists (the manifest, the lock and each shard's own
     shard.json excepted)."""
     listed = set(integrity.listed_files(store.manifest))
-    listed |= {fmt.MANIFEST, fmt.LOCK} | {f"{fmt.SHARDS_DIR}/{s['name']}/{fmt.SHARD_INFO}"
+    listed |= {fmt.MANIFEST, fmt.LOCK, fmt.LOCK_OBJECT} | {f"{fmt.SHARDS_DIR}/{s['name']}/{fmt.SHARD_INFO}"
                                          for s in store.manifest["shards"]}
     root = store.root.rstrip("/")
     found = {}

@@ -23,6 +23,7 @@ from pipeline.store import atomic
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
 from pipeline.store.file_lock import exclusive_lock
+from pipeline.store.object_lock import object_store_lock
 from pipeline.store.zarr_io import write_hidden_array, write_scale_array, zarr_store
 
 log = logging.getLogger(__name__)
@@ -107,13 +108,15 @@ def abandon_new_store(url: str) -> None:
 
 @contextmanager
 def store_lock(url: str) -> Iterator[None]:
-    """Hold an exclusive lock on a local store while building it, so two jobs never write one store.
+    """Hold an exclusive lock on a store while building it, so two jobs never write one store.
 
-    Object stores have no locks: there, give concurrent jobs distinct destinations.
+    Local stores: a `flock` on STORE/_lock, released by the kernel if the holder dies. Object stores: a
+    lock object created by a conditional write, with a lease the holder renews (pipeline/store/object_lock.py).
     """
     fs, root = fmt.open_fs(url)
     if not fmt.is_local(fs):
-        yield
+        with object_store_lock(fs, root, url, StoreConflictError):
+            yield
         return
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, fmt.LOCK)
@@ -124,9 +127,9 @@ def store_lock(url: str) -> Iterator[None]:
 
 
 def _clear_store(fs: Any, root: str) -> None:
-    """Delete a store's content but not its lock file (which the caller may be holding)."""
+    """Delete a store's content but not its lock (which the caller is holding)."""
     for entry in fs.ls(root, detail=False):
-        if entry.rstrip("/").rsplit("/", 1)[-1] != fmt.LOCK:
+        if entry.rstrip("/").rsplit("/", 1)[-1] not in (fmt.LOCK, fmt.LOCK_OBJECT):
             fs.rm(entry, recursive=True)
 
 
