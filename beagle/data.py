@@ -76,16 +76,19 @@ class StoreSet:
     """One or more stores of the same target, read as one list of samples."""
 
     def __init__(self, urls: list[str], *, cache_dir: str | None = None, verify: bool = True,
-                 fuse_layers: bool = False, key_layers: tuple[int, ...] | None = None) -> None:
+                 fuse_layers: bool = False, key_layers: tuple[int, ...] | None = None,
+                 verify_share: tuple[int, int] = (0, 1)) -> None:
         """verify: hash each store file on its first read (a corrupted or foreign file stops training,
         named, before any of its bytes reach a batch); see docs/reliability.md.
         fuse_layers: samples also carry every captured layer's states (`key_layers` order), concatenated,
-        for a drafter with fused keys; `key_layers` names those layers instead (a trained drafter's)."""
+        for a drafter with fused keys; `key_layers` names those layers instead (a trained drafter's).
+        verify_share: (rank, world) under data parallelism: each rank hashes its share of the shards, so
+        the job reads every shard's bytes for verification once, not once per rank."""
         if not urls:
             raise ValueError("no --store given; pass at least one feature store written by `extract`")
         self.urls = [str(u) for u in urls]
-        self.stores = [open_store(u, cache_dir=cache_dir, verify="first-read" if verify else "none")
-                       for u in self.urls]
+        self.stores = [open_store(u, cache_dir=cache_dir, verify="first-read" if verify else "none",
+                                  verify_share=verify_share) for u in self.urls]
         first = self.stores[0]
         for url, store in zip(self.urls[1:], self.stores[1:]):
             if fingerprint(store.target) != fingerprint(first.target):

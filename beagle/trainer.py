@@ -130,7 +130,8 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
                ctx: distributed.DistContext, verify_store: bool) -> _Run:
     """Open the stores, check or create the run directory, build the drafter and its optimizer, and
     restore the latest checkpoint when resuming."""
-    data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store, fuse_layers=config.fuse_layers)
+    data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store, fuse_layers=config.fuse_layers,
+                    verify_share=(ctx.rank, ctx.world_size))
     checkpoint = latest_checkpoint(run_dir) if resume else None
     config = _check_run_dir(run_dir, config, data, resume=resume, checkpoint=checkpoint)
     distributed.barrier(ctx)  # every rank has checked run_dir before rank 0 writes into it

@@ -305,3 +305,39 @@ def test_trust_remote_code_is_off_unless_asked(tmp_path):
     assert not marker.exists()
     load_tokenizer(str(target), trust_remote_code=True)  # asked for: now the shipped code runs
     assert marker.exists()
+
+
+def test_data_parallel_ranks_each_hash_their_share_of_the_shards(pristine, tmp_path, monkeypatch):
+    """Under DDP every rank reads (parts of) every shard: hashing on first read in each rank would read
+    the whole store once per rank. With verify_share each shard is hashed by one rank; a damaged shard is
+    still refused, by the rank whose share it is."""
+    from beagle.data import StoreSet
+    from pipeline.store import integrity
+
+    good, _ = pristine
+    seen: list[str] = []
+    real = integrity.file_problem
+
+    def counted(fs, root, relative, meta):
+        seen.append(relative)
+        return real(fs, root, relative, meta)
+
+    monkeypatch.setattr(integrity, "file_problem", counted)
+    world = 2
+    for rank in range(world):
+        data = StoreSet([str(good)], verify_share=(rank, world))
+        seen.clear()
+        for i in range(len(data)):
+            data.sample(i, 10_000)
+        hashed = {p.split("/")[1] for p in seen if p.startswith("shards/")}
+        shards = data.stores[0].manifest["shards"]
+        assert len(shards) >= world and hashed == {s["name"] for s in shards if s["index"] % world == rank}
+    damaged, expected = _damage(pristine, tmp_path, "flipped_byte_states")
+    owner = int(HIDDEN.split("/")[1].removeprefix("shard-")) % world
+    data = StoreSet([str(damaged)], verify_share=((owner + 1) % world, world))
+    for i in range(len(data)):
+        data.sample(i, 10_000)  # not this rank's share: read unhashed
+    data = StoreSet([str(damaged)], verify_share=(owner, world))
+    with pytest.raises(Exception, match=re.escape(expected)):
+        for i in range(len(data)):
+            data.sample(i, 10_000)

@@ -46,7 +46,7 @@ class _Shard:
     def _verify(self, *, table: bool) -> None:
         """verify="first-read": hash the files about to be read (the sample table, or everything else:
         Zarr metadata and hidden-state arrays) once, before any of their bytes are used."""
-        if self._store.verify != integrity.VERIFY_FIRST_READ:
+        if self._store.verify != integrity.VERIFY_FIRST_READ or not self._store.verifies(self.info["index"]):
             return
         sample_file = f"{fmt.SHARDS_DIR}/{self.info['name']}/{fmt.SAMPLES_FILE}"
         wanted = [rel for rel in sorted(self.info["files"]) if (rel == sample_file) == table]
@@ -137,11 +137,12 @@ class FeatureStore:
     """
 
     def __init__(self, url: str, *, check_files: bool = True, cache_dir: str | None = None,
-                 verify: str = integrity.VERIFY_NONE):
+                 verify: str = integrity.VERIFY_NONE, verify_share: tuple[int, int] = (0, 1)):
         if verify not in integrity.VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: use one of {list(integrity.VERIFY_MODES)}")
         self.url = str(url)
         self.verify = verify
+        self.verify_share = verify_share
         self.fs, self.root = fmt.open_fs(self.url)
         if cache_dir is not None and not fmt.is_local(self.fs):
             # Remote store: each file is fetched whole on first touch and kept in cache_dir, so epochs
@@ -239,6 +240,13 @@ class FeatureStore:
             "hidden_states": hidden,
         }
 
+    def verifies(self, shard_index: int) -> bool:
+        """Whether this reader hashes shard `shard_index` on first read: all of them alone, or its share
+        (index mod world == rank) when `verify_share=(rank, world)` splits the work between the ranks of
+        one data-parallel job, so that the job hashes each shard once, not once per rank."""
+        rank, world = self.verify_share
+        return shard_index % world == rank
+
     def head_bytes(self) -> bytes:
         """The bytes of `head.safetensors` (the frozen `embed_tokens` and `lm_head`, each [V, d]), checked
         against the manifest's sha256 when the store was opened with verify; parse with safetensors."""
@@ -251,14 +259,15 @@ class FeatureStore:
 
 
 def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = None,
-               verify: str = integrity.VERIFY_NONE) -> FeatureStore:
+               verify: str = integrity.VERIFY_NONE, verify_share: tuple[int, int] = (0, 1)) -> FeatureStore:
     """Open a complete store at a local path or fsspec URL. Raises StoreError with the fix on failure.
 
     cache_dir: for a remote store, a local folder that caches the blocks read (ignored for local stores).
     verify: "none" (listed files present with the right size, if check_files), or "first-read": also the
     manifest's identity at open, and each file's sha256 the first time it is read (StoreIntegrityError).
+    verify_share: (rank, world) of a data-parallel job: hash only the shards with index mod world == rank.
     """
-    return FeatureStore(url, check_files=check_files, cache_dir=cache_dir, verify=verify)
+    return FeatureStore(url, check_files=check_files, cache_dir=cache_dir, verify=verify, verify_share=verify_share)
 
 
 def _load_manifest(fs: Any, root: str, url: str) -> dict:
