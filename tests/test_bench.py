@@ -1,4 +1,6 @@
-"""The bench driver's pieces that do not time anything: records, the docs rewrite, offline acceptance."""
+"""The bench scripts' pieces that do not time anything: records, the docs rewrite, offline acceptance, and the
+GPU check's dry run."""
+import pytest
 import torch
 
 from bench.acceptance import chain_acceptance, _eagle2_chain_tokens
@@ -61,3 +63,23 @@ def test_offline_eagle2_chain_matches_the_decode_time_cache(tmp_path):
     greedy = set((data.sample(0, 512)[2].float() @ head["lm_head"].float().T).argmax(-1).tolist())
     unused = next(t for t in range(vocab_size) if t not in greedy)
     assert chain_acceptance(beagle, url, depth=3, samples=1, vocab=torch.tensor([unused]))[0] == 1.0
+
+
+@pytest.mark.slow
+def test_the_gpu_check_dry_run_prints_every_measurement_on_cpu():
+    """bench/gpu.py is the one script a lent GPU runs; its dry run walks the same code on CPU at toy sizes,
+    so the first GPU run is not the script's first run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run"], cwd=root, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for measurement in ("extraction ÷ bare forward", "GB/s", "Beagle stage 1", "Beagle stage 2 s=4", "EAGLE-2",
+                        "chain d5", "tree d5 k4 n16", "dry run"):
+        assert measurement in done.stdout, (measurement, done.stdout)
+    no_gpu = subprocess.run([sys.executable, "bench/gpu.py"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert no_gpu.returncode == 2 and "no CUDA GPU here" in no_gpu.stderr
