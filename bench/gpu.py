@@ -124,11 +124,12 @@ def extraction_rows(work: Path, plan: Plan, device: torch.device) -> list[tuple[
         torch.cuda.synchronize()
     bare = summary.forward_tokens / (time.perf_counter() - started)
     rate = summary.forward_tokens / busy
+    written = (summary.store_bytes - summary.head_bytes) / busy / 1e9
     shape = f"{plan.extract_target} target, {summary.forward_tokens:,} tokens, 1 actor"
     return [(f"extraction tokens/s, actor busy time ({shape})", f"{rate:,.0f}"),
             (f"bare forward tokens/s (same batches, same device) ({shape})", f"{bare:,.0f}"),
             ("P1 on this GPU: extraction ÷ bare forward", f"{rate / bare:.3f}"),
-            ("states written, GB/s of actor busy time", f"{(summary.store_bytes - summary.head_bytes) / busy / 1e9:.2f}"),
+            ("states written, GB/s of actor busy time", f"{written:.2f}"),
             ("forward stage wall time incl. actor start and model load (s)", f"{summary.forward_seconds:.1f}")]
 
 

@@ -189,7 +189,9 @@ class Evaluator:
     def shape(name: str):
         from beagle.decoding import DraftConfig
 
-        return {"chain d3": DraftConfig.chain(depth=3), "tree d5 k4 n16": DraftConfig(depth=5, top_k=4, total_tokens=16)}[name]
+        shapes = {"chain d3": DraftConfig.chain(depth=3),
+                  "tree d5 k4 n16": DraftConfig(depth=5, top_k=4, total_tokens=16)}
+        return shapes[name]
 
     def measure(self, drafter_dir: Path, shape: str) -> dict:
         from beagle.decoding.draft_vocab import select_draft_vocabulary
@@ -218,7 +220,8 @@ def table(results: dict) -> str:
                 continue
             alphas = " ".join("-" if a is None else f"{a:.2f}" for a in chain["alpha"])
             identical = f"{chain['identical'] + tree['identical']}/{chain['prompts'] + tree['prompts']}"
-            rows.append(f"| {size['name']} | {size['data']} | {size['store']['tokens']:,} | {name} | {entry['steps']} | "
+            rows.append(f"| {size['name']} | {size['data']} | {size['store']['tokens']:,} | {name} | "
+                        f"{entry['steps']} | "
                         f"{entry['train_seconds'] / 60:.0f} min | {chain['tau']:.3f} | {chain['speedup']:.2f}× | "
                         f"{tree['tau']:.3f} | {tree['speedup']:.2f}× | {alphas} | {identical} |")
     return "\n".join(rows)

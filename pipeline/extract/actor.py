@@ -91,10 +91,10 @@ class ShardExtractor:
             states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
             forward_seconds.append(time.perf_counter() - started)
             try:
-                info = write_shard(self.store_url, int(shard_index),
-                                   [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-                                     "hidden_states": h} for s, h in zip(samples, states)],
-                                   layers=self.forward.layers, dtype=self.config.dtype)
+                rows = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+                         "hidden_states": h} for s, h in zip(samples, states)]
+                info = write_shard(self.store_url, int(shard_index), rows, layers=self.forward.layers,
+                                   dtype=self.config.dtype)
                 if not self._head_done:
                     self._ensure_head()
             except OSError as error:

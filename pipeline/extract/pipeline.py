@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from beagle.devices import torch_dtype
 from beagle.target_facts import read_target_facts
-from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
 from beagle.target_model import weight_files
+from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
 from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, ReadResult, check_data_path, read_inputs
 from pipeline.extract.summary import ExtractSummary

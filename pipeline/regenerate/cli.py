@@ -85,8 +85,8 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
                               max_prompt_length=max_prompt_length, max_turns=max_turns, batch_size=batch_size,
                               temperature=temperature,
                               top_p=top_p, seed=seed, trust_remote_code=trust_remote_code)
-    config = RegenerateConfig(generate=generate, data=tuple(data), out=out, limit=limit, max_record_bytes=max_record_bytes,
-                              chunk_size=chunk_size,
+    config = RegenerateConfig(generate=generate, data=tuple(data), out=out, limit=limit,
+                              max_record_bytes=max_record_bytes, chunk_size=chunk_size,
                               num_workers=num_workers, num_gpus_per_worker=num_gpus_per_worker, address=address,
                               overwrite=overwrite)
     progress = _TqdmProgress(enabled=not no_progress)
