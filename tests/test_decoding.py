@@ -253,18 +253,6 @@ def test_a_reduced_draft_vocabulary_keeps_outputs_and_drafts_only_its_tokens(tmp
     assert set(tree.tokens[1:].tolist()) <= set(tokens.tolist())
 
 
-def test_a_sliding_window_target_is_refused_up_front():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from beagle.decoding.verify import check_supported
-
-    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_supported(MistralForCausalLM(config))
-    check_supported(tiny_target())  # a plain Llama passes
-
-
 def test_a_qwen2_target_decodes_identically():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -18,14 +18,15 @@ def cache_length(cache: DynamicCache) -> int:
 def keep_cache_positions(cache: DynamicCache, keep: torch.Tensor) -> None:
     """Keep only the cache positions in `keep` (ascending LongTensor), in place, on every layer.
 
-    Only plain `DynamicLayer`s can be pruned this way: a sliding-window or quantized layer stores
-    positions in a form that an index along the sequence axis would corrupt, so we refuse it.
+    Only plain `DynamicLayer`s can be pruned this way: transformers' sliding-window or quantized layers store
+    positions in a form that an index along the sequence axis would corrupt, so we refuse them (`new_cache`
+    builds full-length layers for sliding-window targets; beagle/decoding/attention_layout.py).
     """
     for index, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
             raise ValueError(
                 f"cache layer {index} is a {type(layer).__name__}; speculative decoding supports only full "
-                "attention layers (DynamicLayer). Use a target without sliding-window/linear attention.")
+                "length layers (DynamicLayer); build the cache with beagle.decoding.verify.new_cache")
         if not layer.is_initialized:
             continue
         index_on_device = keep.to(layer.keys.device)

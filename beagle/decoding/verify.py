@@ -4,8 +4,9 @@ A tree is verified by handing the target an explicit 4D attention mask. In trans
 passed to the attention kernel unchanged (`masking_utils._preprocess_mask_arguments` returns it as-is);
 the eager kernel ADDS it to the scores while SDPA also accepts booleans, so we build the float additive
 form (0 = visible, dtype minimum = hidden), which both read the same way. Any causal LM whose decoder
-takes a 4D mask, explicit `position_ids` and a `DynamicCache` of full-attention layers works: Llama,
-Mistral (without sliding window), Qwen2/Qwen3, SmolLM2 among them.
+takes a 4D mask (or, when it mixes layer types, a dict of them), explicit `position_ids` and a `DynamicCache`
+works: Llama, Mistral, Qwen2/Qwen3, Gemma 2/3, SmolLM2 among them. Sliding-window layers get their own mask
+and a cache that can be cut back (beagle/decoding/attention_layout.py).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
+from beagle.decoding.attention_layout import attention_layout
 from beagle.decoding.tree import DraftTree
 
 
@@ -31,20 +33,18 @@ def _cache_keyword(model: torch.nn.Module) -> str:
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    """A cache every layer of which `keep_cache_positions` can prune (full length, sliding layers included)."""
+    return attention_layout(model).new_cache(model)
 
 
 def check_supported(model: torch.nn.Module) -> None:
-    """Refuse, before any decoding, a target whose cache cannot be pruned by position."""
-    cache = new_cache(model)
-    odd = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if odd:
-        raise ValueError(f"{type(model).__name__} uses {', '.join(odd)} cache layers (sliding-window or linear "
-                         "attention); speculative decoding here needs full-attention layers only")
+    """Refuse, before any decoding, a target whose cache cannot be pruned by position (ValueError)."""
+    attention_layout(model)
 
 
 def run_target(model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Tensor,
-               position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
                hidden: bool = True, layers: tuple[int, ...] = (-1,)) -> TargetOutput:
     """One target forward over `input_ids` `[L]` that appends to `cache`; returns logits and the states of
     `layers` (HF hidden_states indices, -1 = after the final norm), concatenated in that order."""
@@ -56,24 +56,25 @@ def run_target(model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Ten
     return TargetOutput(logits=outputs.logits[0], hidden=states)
 
 
-def tree_attention_mask(parents: torch.Tensor, past_length: int, dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
-    """Additive mask `[1, 1, N+1, past+N+1]`: every node sees the committed past, itself and its ancestors."""
+def tree_attention_mask(parents: torch.Tensor, depths: torch.Tensor, past_length: int, dtype: torch.dtype,
+                        device: torch.device, model: torch.nn.Module) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive mask `[1, 1, N+1, past+N+1]` (a dict of them by layer type for a hybrid target): every node sees
+    the committed past, itself and its ancestors; sliding-window layers only those within their window."""
     size = parents.shape[0]
     ancestors = torch.eye(size, dtype=torch.bool)
     for position, parent in enumerate(parents.tolist()):
         if parent >= 0:  # parents precede children, so the parent's row is complete
             ancestors[position] |= ancestors[parent]
     visible = torch.cat([torch.ones(size, past_length, dtype=torch.bool), ancestors], dim=-1).to(device)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]
+    query_positions = past_length + depths.to(device)  # [N+1]
+    key_positions = torch.cat([torch.arange(past_length, device=device), query_positions])  # [past+N+1]
+    return attention_layout(model).tree_masks(visible, query_positions, key_positions, dtype)
 
 
 def verify_tree(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree, past_length: int,
                 layers: tuple[int, ...] = (-1,)) -> TargetOutput:
     """Run the target once over every tree position; the cache then holds past + all N+1 positions."""
     dtype = next(model.parameters()).dtype
-    mask = tree_attention_mask(tree.parents, past_length, dtype, tree.tokens.device)
+    mask = tree_attention_mask(tree.parents, tree.depths, past_length, dtype, tree.tokens.device, model)
     positions = past_length + tree.depths  # [N+1]
     return run_target(model, cache, tree.tokens, positions, mask, layers=layers)
