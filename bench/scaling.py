@@ -7,7 +7,8 @@ same recipe and the same number of epochs, and each is measured on MT-Bench firs
 and a tree, plain and speculative decoding side by side in one process (fp32: outputs must be identical).
 
 Data: by default every size is ShareGPT's stored answers (the first conversations after line
-SHAREGPT_OFFSET, nested: each size holds the one before it), because `regenerate` runs at ~25 generated
+SHAREGPT_OFFSET, nested: each size holds the one before it; a larger size whose store is missing is built as
+the smaller size's store plus one store of the rest, see sharegpt_stores), because `regenerate` runs at ~25 generated
 tokens/s under Ray on this 2-core CPU, ~3 h for a 300k-token store. A size written `300000` (without
 `:sharegpt`) is the target's own answers instead (`regenerate`, first ShareGPT turns, fp32, nested too).
 The table says which data each size used.
@@ -106,31 +107,56 @@ def self_distilled(work: Path, sizes: list[Size], size: Size) -> list[Path]:
     return parts
 
 
-def sharegpt_answers(work: Path, size: Size) -> tuple[list[Path], int]:
-    """ShareGPT conversations after SHAREGPT_OFFSET, and how many records make about `size.tokens` tokens
-    (counted with the target's tokenizer, each conversation capped at MAX_LENGTH: extract's --limit)."""
+def sharegpt_answers(work: Path, size: Size, start: int = 0, tokens: int | None = None) -> tuple[Path, int, int]:
+    """ShareGPT conversations from line SHAREGPT_OFFSET + start on, and how many records make about `tokens`
+    (default: size.tokens) tokens, counted with the target's tokenizer, each conversation capped at
+    MAX_LENGTH (extract's --limit). Returns (lines file, records, the line after the file's window)."""
     from transformers import AutoTokenizer
 
+    aim = tokens or size.tokens
     tokenizer = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
-    lines = _sharegpt_lines()[SHAREGPT_OFFSET:]
+    lines = _sharegpt_lines()[SHAREGPT_OFFSET + start:]
     total, records = 0, 0
     for line in lines:
         if not line.strip():
             continue
         turns = json.loads(line).get("conversations") or []
-        tokens = sum(len(tokenizer(turn.get("value", ""))["input_ids"]) + 5 for turn in turns)
-        if tokens == 0:
+        count = sum(len(tokenizer(turn.get("value", ""))["input_ids"]) + 5 for turn in turns)
+        if count == 0:
             continue
-        total += min(tokens, MAX_LENGTH)
+        total += min(count, MAX_LENGTH)
         records += 1
-        if total >= size.tokens:
+        if total >= aim:
             break
     else:
-        raise SystemExit(f"{DEMO_SHAREGPT}: its lines after {SHAREGPT_OFFSET} hold only ~{total:,} tokens, "
-                         f"fewer than {size.tokens:,}; ask for a smaller size")
+        raise SystemExit(f"{DEMO_SHAREGPT}: its lines after {SHAREGPT_OFFSET + start} hold only ~{total:,} tokens, "
+                         f"fewer than {aim:,}; ask for a smaller size")
     # extract skips unusable records (--limit counts usable ones): give it twice the lines it should need
-    path = _write_lines(work / f"sharegpt-{size.tokens}.jsonl", lines[:2 * records])
-    return [path], records
+    name = f"sharegpt-{size.tokens}.jsonl" if start == 0 else f"sharegpt-{start}-{size.tokens}.jsonl"
+    path = _write_lines(work / name, lines[:2 * records])
+    return path, records, start + 2 * records
+
+
+def sharegpt_stores(work: Path, sizes: list[Size], size: Size) -> tuple[list[Path], int]:
+    """The stores a ShareGPT size trains on, extracted if missing, and the line after their window.
+
+    A size whose own store exists (or the smallest size) is one store. A larger size whose store is missing
+    is the next smaller size's stores plus one store of the tokens it lacks, taken from the lines after the
+    smaller size's window: each size holds the one before it, and the extraction already done is not paid
+    again (1M tokens from scratch is ~1.5 h of extraction on 2 cores)."""
+    whole = work / f"store-{size.name}"
+    smaller = [s for s in sizes if s.source == "sharegpt" and s.tokens < size.tokens]
+    if (whole / "manifest.json").is_file() or not smaller:
+        path, records, end = sharegpt_answers(work, size)
+        extract([path], whole, records)
+        return [whole], end
+    base, start = sharegpt_stores(work, sizes, max(smaller, key=lambda s: s.tokens))
+    # the line-by-line estimate overcounts what extract stores by ~4-8% (287,000 tokens for 300k aimed)
+    missing = math.ceil((size.tokens - store_facts(base)["tokens"]) * 1.08)
+    path, records, end = sharegpt_answers(work, size, start, missing)
+    rest = work / f"store-{size.name}-rest"
+    extract([path], rest, records)
+    return [*base, rest], end
 
 
 def extract(data: list[Path], store: Path, limit: int | None) -> None:
@@ -144,25 +170,26 @@ def extract(data: list[Path], store: Path, limit: int | None) -> None:
     log(f"extracted {store.name} in {time.perf_counter() - started:.0f}s")
 
 
-def train(store: Path, run: Path, name: str) -> tuple[Path, float]:
+def train(stores: list[Path], run: Path, name: str) -> tuple[Path, float]:
     """Train (or resume) one drafter; (its export, wall seconds of this call)."""
     drafter = run / "drafter"
     if (drafter / "config.json").is_file():
         return drafter, 0.0
     started = time.perf_counter()
     resume = ("--resume",) if run.is_dir() else ()
-    cli("train", "--store", str(store), "--out", str(run), *DRAFTERS[name], *RECIPE, *resume)
+    flags = [arg for store in stores for arg in ("--store", str(store))]
+    cli("train", *flags, "--out", str(run), *DRAFTERS[name], *RECIPE, *resume)
     seconds = time.perf_counter() - started
     log(f"trained {run.parent.name}/{name} in {seconds:.0f}s")
     return drafter, seconds
 
 
-def store_facts(store: Path) -> dict:
+def store_facts(stores: list[Path]) -> dict:
     from beagle.data import StoreSet
 
-    stores = StoreSet([str(store)])
-    return {"tokens": int(stores.lengths.sum()), "samples": len(stores),
-            "bytes": sum(p.stat().st_size for p in store.rglob("*") if p.is_file())}
+    opened = StoreSet([str(store) for store in stores])
+    return {"tokens": int(opened.lengths.sum()), "samples": len(opened), "stores": [s.name for s in stores],
+            "bytes": sum(p.stat().st_size for store in stores for p in store.rglob("*") if p.is_file())}
 
 
 def run_steps(run: Path) -> int:
@@ -295,16 +322,15 @@ def main() -> None:
     for size in sizes:
         log(f"size {size.name}")
         if size.source == "self":
-            data, limit, description = self_distilled(work, sizes, size), None, "target's own answers"
+            stores, description = [work / f"store-{size.name}"], "target's own answers"
+            extract(self_distilled(work, sizes, size), stores[0], None)
         else:
-            (data, limit), description = sharegpt_answers(work, size), "ShareGPT answers"
-        store = work / f"store-{size.name}"
-        extract(data, store, limit)
+            stores, description = sharegpt_stores(work, sizes, size)[0], "ShareGPT answers"
         entry = results["sizes"].setdefault(size.name, {"name": size.name, "data": description, "drafters": {}})
-        entry["store"] = store_facts(store)
+        entry["store"] = store_facts(stores)
         for name in DRAFTERS:
             run = work / f"run-{size.name}" / name
-            drafter, seconds = train(store, run, name)
+            drafter, seconds = train(stores, run, name)
             measured = entry["drafters"].setdefault(name, {"shapes": {}, "train_seconds": seconds})
             measured["steps"] = run_steps(run)
             measured["train_seconds"] = max(measured["train_seconds"], seconds)
