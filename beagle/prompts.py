@@ -1,11 +1,16 @@
 """Prompt files: MT-Bench `question.jsonl` (`turns`), `{"prompt": ...}`, `messages` or ShareGPT
-`conversations`, parsed by one function for evaluation and for regeneration.
+`conversations`, and `{"text": ...}` for base models, parsed by one function for evaluation and for
+regeneration.
 
 `parse_prompt_record` checks one record's shape and text and returns its messages; each user of it
 decides what to ask. Evaluation (`load_prompts`) makes a `PromptItem`: fixed leading messages plus user
 turns asked one after the other, each answer carried into the next turn's context (MT-Bench's second
 turns refer to the first answer). Regeneration (`pipeline.regenerate.prompts`) keeps the system prompt
 and every user turn. The target's chat template turns a conversation into token ids.
+
+A `{"text": ...}` record is a continuation prompt: its text is tokenized as it is (no chat template, the
+tokenizer's own BOS), and the target continues it. This is how a base model, which has no chat template,
+is evaluated and self-distilled.
 """
 from __future__ import annotations
 
@@ -22,17 +27,19 @@ logger = logging.getLogger(__name__)
 # Why a prompt record can be unusable (regeneration writes these keys to its rejects file).
 PROMPT_REJECT_REASONS: dict[str, str] = {
     "not_an_object": "a record that is not a JSON object / mapping",
-    "missing_field": "none of `conversations`, `messages`, `turns` or `prompt`, or a turn without role/content",
+    "missing_field": "none of `conversations`, `messages`, `turns`, `prompt` or `text`, or a turn without "
+                     "role/content",
     "wrong_type": "a field of the wrong type (e.g. a turn's content that is not a string)",
     "unknown_role": "a turn whose role is not user/assistant/system (e.g. tool, function)",
     "invalid_text": "text that is not valid Unicode (e.g. a lone surrogate escape such as \\ud800)",
-    "no_user_turn": "a record without a non-empty user turn to answer",
+    "no_user_turn": "a record without a non-empty user turn to answer (or an empty `text`)",
 }
 # Role names seen in ShareGPT-style crawls, mapped to chat-template roles (extraction reads chats with it too).
 ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
               "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
               "system": "system", "developer": "system"}
-_SHAPES = ("conversations", "messages", "turns", "prompt")  # looked for in this order
+_SHAPES = ("conversations", "messages", "turns", "prompt", "text")  # looked for in this order
+TEXT_ROLE = "text"  # the one message of a `{"text": ...}` record: continued as it is, without a chat template
 _CHAT_KEYS = {"conversations": ("from", "value"), "messages": ("role", "content")}
 
 
@@ -70,15 +77,20 @@ def parse_prompt_record(obj: Any, *, keep_unknown_roles: bool = False) -> Parsed
     prompt_id = str(raw_id) if isinstance(raw_id, (str, int)) and str(raw_id) else None
     shape = next((key for key in _SHAPES if obj.get(key) is not None), None)
     if shape is None:
-        raise PromptRecordError("missing_field", "no 'turns', 'prompt', 'messages' or 'conversations' key; "
+        raise PromptRecordError("missing_field", "no 'turns', 'prompt', 'messages', 'conversations' or 'text' key; "
                                 "expected MT-Bench question.jsonl lines, {\"prompt\": ...}, "
-                                "{\"messages\": [...]} or {\"conversations\": [...]}")
+                                "{\"messages\": [...]}, {\"conversations\": [...]} or {\"text\": ...}")
     if shape in _CHAT_KEYS:
         messages = _chat_messages(obj[shape], *_CHAT_KEYS[shape], keep_unknown_roles)
     elif shape == "turns":
         if not isinstance(obj["turns"], list):
             raise PromptRecordError("wrong_type", "`turns` is not a list of strings")
         messages = tuple({"role": "user", "content": prompt_text(t, "a turn")} for t in obj["turns"])
+    elif shape == "text":
+        text = prompt_text(obj["text"], "`text`")
+        if not text.strip():
+            raise PromptRecordError("no_user_turn", "`text` is empty")
+        messages = ({"role": TEXT_ROLE, "content": text},)
     else:
         messages = ({"role": "user", "content": prompt_text(obj["prompt"], "`prompt`")},)
     return ParsedPrompt(prompt_id, shape, messages)
@@ -121,7 +133,8 @@ def _chat_messages(turns: Any, role_key: str, content_key: str,
 class PromptItem:
     prompt_id: str
     history: tuple[dict[str, str], ...]  # messages before the first asked turn (system prompt, earlier turns)
-    turns: tuple[str, ...]               # user messages, asked in order
+    turns: tuple[str, ...]               # user messages, asked in order; for a text item, its one text
+    text: bool = False                   # a `{"text": ...}` continuation prompt (no chat template)
 
 
 def _item(line: Any, where: str) -> PromptItem:
@@ -130,6 +143,8 @@ def _item(line: Any, where: str) -> PromptItem:
     try:
         parsed = parse_prompt_record(line, keep_unknown_roles=True)
         prompt_id = parsed.prompt_id or where
+        if parsed.shape == "text":
+            return PromptItem(prompt_id, (), (parsed.messages[0]["content"],), text=True)
         if parsed.shape in ("turns", "prompt"):
             if not parsed.messages:
                 raise ValueError("'turns' must be a non-empty list of strings (MT-Bench question.jsonl)")
@@ -171,8 +186,11 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptItem]
 def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation ready for the assistant's answer (chat template, generation prompt).
 
-    A tokenizer without a chat template (a base model) gets the user turns joined by blank lines.
+    A `text` message (a continuation prompt) is tokenized as it is. A tokenizer without a chat template (a
+    base model) given a conversation gets the user turns joined by blank lines, with a warning.
     """
+    if len(messages) == 1 and messages[0]["role"] == TEXT_ROLE:
+        return tokenizer(messages[0]["content"])["input_ids"]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]

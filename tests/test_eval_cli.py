@@ -85,7 +85,7 @@ def test_prompt_formats(setup, tmp_path):
     ids = render(tokenizer, [{"role": "user", "content": "w1 w2"}])
     assert tokenizer.convert_ids_to_tokens(ids) == ["<|user|>", "w1", "w2", "<|end|>", "<|assistant|>"]
     assert eos_token_ids(tokenizer) == {tokenizer.eos_token_id}
-    for bad, message in (({"text": "x"}, "no 'turns'"), ({"turns": []}, "non-empty"),
+    for bad, message in (({"title": "x"}, "no 'turns'"), ({"text": " "}, "empty"), ({"turns": []}, "non-empty"),
                          ({"messages": [{"role": "assistant", "content": "x"}]}, "end with a user")):
         with pytest.raises(ValueError, match=message):
             load_prompts(write_jsonl(tmp_path / "bad.jsonl", [bad]))

@@ -44,18 +44,20 @@ _CORPUS = (
 ) * 4
 
 
-def build_tokenizer(directory: str | Path, *, template: str = "chatml_generation") -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE (any text encodes, offsets are exact) and save it with `template`."""
+def build_tokenizer(directory: str | Path, *, template: str | None = "chatml_generation") -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE (any text encodes, offsets are exact) and save it with `template` (None: a base
+    model's tokenizer, without a chat template, ending texts with <|endoftext|>)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator([_CORPUS], trainer=trainer)
-    eos = "<|im_end|>" if template.startswith("chatml") else "</s>"
+    eos = "<|endoftext|>" if template is None else "<|im_end|>" if template.startswith("chatml") else "</s>"
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=eos,
                                    bos_token="<|endoftext|>", unk_token=None)
-    fast.chat_template = TEMPLATES.get(template, template)
+    if template is not None:
+        fast.chat_template = TEMPLATES.get(template, template)
     fast.save_pretrained(str(directory))
     return fast
 
@@ -75,7 +77,7 @@ def build_model(directory: str | Path, *, seed: int = 0, vocab_size: int = VOCAB
     return model
 
 
-def build_target(directory: str | Path, *, template: str = "chatml_generation", seed: int = 0,
+def build_target(directory: str | Path, *, template: str | None = "chatml_generation", seed: int = 0,
                  tied: bool = False) -> Path:
     """A complete local target (model + tokenizer) in `directory`; returns the path."""
     directory = Path(directory)

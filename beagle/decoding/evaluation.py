@@ -19,7 +19,7 @@ import torch
 
 from beagle.decoding.generate import GenerationResult, plain_generate, speculative_generate
 from beagle.decoding.tree import DraftConfig
-from beagle.prompts import PromptItem, render
+from beagle.prompts import TEXT_ROLE, PromptItem, render
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _conversation(model, tokenizer, item: PromptItem, max_new_tokens, eos_ids, c
     messages = list(item.history)
     results = []
     for turn, question in enumerate(item.turns):
-        messages.append({"role": "user", "content": question})
+        messages.append({"role": TEXT_ROLE if item.text else "user", "content": question})
         prompt_ids = torch.tensor(render(tokenizer, messages), device=device)
         result = _answer(model, prompt_ids, max_new_tokens, eos_ids, config, seed + turn, drafter)
         results.append(result)
@@ -131,7 +131,7 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
     """Answer every prompt twice, plain then speculative, and compare (greedy outputs must be identical)."""
     device = next(model.parameters()).device
     # Warm-up (allocator, kernels, lazy init) so that neither side pays first-call costs in the timings.
-    warm = PromptItem("warm-up", items[0].history, items[0].turns[:1])
+    warm = PromptItem("warm-up", items[0].history, items[0].turns[:1], items[0].text)
     for side in (None, drafter):
         _conversation(model, tokenizer, warm, min(8, max_new_tokens), eos_ids, config, seed, device, side)
 

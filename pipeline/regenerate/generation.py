@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from beagle.devices import pick_device
-from beagle.prompts import eos_token_ids, render
+from beagle.prompts import TEXT_ROLE, eos_token_ids, render
 from beagle.target_model import load_causal_lm
 from pipeline.extract.chat import load_tokenizer
 from pipeline.regenerate.prompts import PromptRecord
@@ -46,6 +46,7 @@ class Answered:
 
     record: PromptRecord
     messages: list[dict[str, str]]
+    text: str | None = None       # a text record: its text and the target's continuation
     generated_tokens: int = 0
     unfinished_turns: int = 0     # answers cut at max_new_tokens
     dropped_turns: int = 0        # later turns not asked: their prompt grew past max_prompt_length
@@ -61,9 +62,6 @@ class ConversationGenerator:
             torch.set_num_threads(config.threads)
         self.device = pick_device(config.device)
         self.tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
-        if not isinstance(getattr(self.tokenizer, "chat_template", None), str):
-            raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template; add a "
-                             "chat_template to tokenizer_config.json")
         self.model = load_causal_lm(config.model_path, dtype=config.dtype, device=self.device,
                                     trust_remote_code=config.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
@@ -84,8 +82,7 @@ class ConversationGenerator:
             for result in results:
                 if turn >= len(result.record.turns) or result.reject or result.dropped_turns:
                     continue
-                context = [*result.messages, {"role": "user", "content": result.record.turns[turn]}]
-                ids = render(self.tokenizer, context)
+                ids = render(self.tokenizer, self._context(result, turn))
                 if len(ids) > self.config.max_prompt_length:
                     if turn == 0:
                         result.reject = "prompt_too_long"
@@ -96,16 +93,35 @@ class ConversationGenerator:
             asking.sort(key=lambda item: len(item[1]))
             for start in range(0, len(asking), self.config.batch_size):
                 batch = asking[start:start + self.config.batch_size]
-                for (result, _), (text, tokens, finished) in zip(batch, self._generate([ids for _, ids in batch])):
-                    result.messages += [{"role": "user", "content": result.record.turns[turn]},
-                                        {"role": "assistant", "content": text}]
-                    result.generated_tokens += tokens
+                for (result, ids), (tokens, finished) in zip(batch, self._generate([ids for _, ids in batch])):
+                    question = result.record.turns[turn]
+                    if result.record.text:
+                        result.text = question + self._continuation(ids, tokens)
+                    else:
+                        result.messages += [{"role": "user", "content": question},
+                                            {"role": "assistant",
+                                             "content": self.tokenizer.decode(tokens, skip_special_tokens=True)}]
+                    result.generated_tokens += len(tokens)
                     result.unfinished_turns += not finished
         return results
 
+    @staticmethod
+    def _context(result: Answered, turn: int) -> list[dict[str, str]]:
+        """The messages the next answer is asked with: a text record's text, or the conversation so far."""
+        question = result.record.turns[turn]
+        if result.record.text:
+            return [{"role": TEXT_ROLE, "content": question}]
+        return [*result.messages, {"role": "user", "content": question}]
+
+    def _continuation(self, prompt_ids: list[int], tokens: list[int]) -> str:
+        """The text `tokens` add after `prompt_ids`: decoded together, so that the join keeps the space or
+        merged characters a tokenizer would lose decoding the continuation alone."""
+        prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(prompt_ids + tokens, skip_special_tokens=True)[len(prompt):]
+
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]]) -> list[tuple[str, int, bool]]:
-        """(answer text, answer tokens without EOS, ended with EOS) for each prompt, batched."""
+    def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """(answer tokens without EOS, ended with EOS) for each prompt, batched."""
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, W], left padded
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -123,7 +139,7 @@ class ConversationGenerator:
         for row in output[:, width:].tolist():
             ends = [i for i, token in enumerate(row) if token in self.eos_ids]
             tokens = row[:ends[0]] if ends else row
-            answers.append((self.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), bool(ends)))
+            answers.append((tokens, bool(ends)))
         return answers
 
 

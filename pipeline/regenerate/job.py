@@ -1,7 +1,8 @@
 """The regeneration job: read prompts -> Ray actors answer whole chunks -> one JSONL, committed atomically.
 
 Layout next to `--out answers.jsonl`:
-  answers.jsonl                conversations `{"id", "messages", "source", "regenerated"}`, input order;
+  answers.jsonl                conversations `{"id", "messages", "source", "regenerated"}` (text records:
+                               `{"id", "text", ...}`, the text and its continuation), input order;
                                `extract --data answers.jsonl` reads it as is
   answers.jsonl.manifest.json  what made it: target fingerprint, settings, input hashes, counts
   answers.jsonl.rejects.jsonl  records that could not be used, each with file, record and reason
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 
 from beagle.devices import DTYPES
 from beagle.target_model import weight_files
+from pipeline.extract.chat import load_tokenizer
 from pipeline.extract.forward import target_fingerprint
 from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
 from pipeline.store import atomic
@@ -137,6 +139,19 @@ def _check(config: RegenerateConfig) -> None:
                          "and 0 < top-p <= 1")
 
 
+def _check_chat_template(config: RegenerateConfig, read: PromptRead) -> None:
+    """Conversations need the target's chat template; refused here, before any Ray worker starts, when the
+    tokenizer has none (a base model), naming the first such record and the input a base model takes."""
+    chat = next((record for record in read.records if not record.text), None)
+    if chat is None:
+        return
+    tokenizer = load_tokenizer(config.generate.model_path, trust_remote_code=config.generate.trust_remote_code)
+    if not isinstance(getattr(tokenizer, "chat_template", None), str):
+        raise ValueError(f"--model {config.generate.model_path}: the tokenizer has no chat template, so the "
+                         f"conversation at {chat.source} record {chat.index} cannot be asked; give a base model "
+                         "{\"text\": ...} records to continue, or add a chat_template to tokenizer_config.json")
+
+
 def identity(config: RegenerateConfig, read: PromptRead) -> dict[str, Any]:
     """What the output depends on; a rerun with the same identity resumes or finds the work done."""
     generate = asdict(config.generate)
@@ -170,7 +185,8 @@ def _chunk_lines(answered: list[Answered]) -> str:
             lines.append({"reject": {**where, "reason": result.reject,
                                      "detail": "the first turn's prompt is longer than --max-prompt-length"}})
         else:
-            lines.append({"id": record.sample_id, "messages": result.messages, "source": where,
+            body = {"text": result.text} if record.text else {"messages": result.messages}
+            lines.append({"id": record.sample_id, **body, "source": where,
                           "regenerated": {"tokens": result.generated_tokens, "unfinished_turns": result.unfinished_turns,
                                           "dropped_turns": result.dropped_turns}})
     return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
@@ -202,6 +218,7 @@ def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None
     started = time.perf_counter()
     _check(config)
     read = read_prompts(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
+    _check_chat_template(config, read)
     path = lock_path(config.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Held for the whole job, so two jobs never interleave chunks of one output.
@@ -301,7 +318,7 @@ def _assemble(config: RegenerateConfig, read: PromptRead, facts: dict[str, Any],
             conversations.append(text)
             stats = line["regenerated"]
             summary.conversations += 1
-            summary.turns += sum(m["role"] == "assistant" for m in line["messages"])
+            summary.turns += sum(m["role"] == "assistant" for m in line["messages"]) if "messages" in line else 1
             summary.generated_tokens += stats["tokens"]
             summary.unfinished_turns += stats["unfinished_turns"]
             summary.dropped_turns += stats["dropped_turns"]

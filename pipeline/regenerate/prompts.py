@@ -1,7 +1,8 @@
 """Prompt records for regeneration: the user turns of a conversation, with its leading system prompt.
 
 Accepts what `extract` accepts (`conversations` / `messages`; their assistant turns are discarded, since
-the target writes its own) plus prompt-only data: MT-Bench `turns` and `{"prompt": ...}`. A record that
+the target writes its own) plus prompt-only data: MT-Bench `turns` and `{"prompt": ...}`. A `{"text": ...}`
+record is continued as it is (no chat template): how a base model answers. A record that
 cannot be used becomes a reject dict naming its file, record and reason, like extraction's. Records are
 parsed by `beagle.prompts.parse_prompt_record`, the parser evaluation reads its prompt files with.
 """
@@ -36,8 +37,9 @@ class PromptRecord:
     source: str
     index: int                # 0-based record position in its file
     system: tuple[str, ...]   # leading system messages
-    turns: tuple[str, ...]    # user messages
+    turns: tuple[str, ...]    # user messages; for a text record, its one text
     line: int | None = None   # JSONL line number
+    text: bool = False        # a `{"text": ...}` record: continued without a chat template
 
 
 def normalize_prompt_record(obj: Any, *, source: str, index: int, default_id: str) -> PromptRecord:
@@ -49,6 +51,9 @@ def normalize_prompt_record(obj: Any, *, source: str, index: int, default_id: st
         parsed = parse_prompt_record(obj)
     except PromptRecordError as error:
         raise RejectPrompt(error.reason, error.detail) from None
+    if parsed.shape == "text":
+        return PromptRecord(parsed.prompt_id or default_id, source, index, (), (parsed.messages[0]["content"],),
+                            text=True)
     first_user = next((k for k, m in enumerate(parsed.messages) if m["role"] == "user"), len(parsed.messages))
     system = tuple(m["content"] for m in parsed.messages[:first_user] if m["role"] == "system")
     turns = tuple(m["content"] for m in parsed.messages if m["role"] == "user" and m["content"].strip())
