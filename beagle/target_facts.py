@@ -158,8 +158,8 @@ def _rope_theta(rope_parameters: Mapping[str, Any] | None) -> float | None:
 
 
 def _intermediate_size(text: Any) -> int | None:
-    """The MLP width; GPT-2-style configs call it n_inner, where None means 4 x width."""
-    size = getattr(text, "intermediate_size", None)
+    """The MLP width; Falcon calls it ffn_hidden_size, GPT-2-style configs n_inner (None: 4 x width)."""
+    size = getattr(text, "intermediate_size", None) or getattr(text, "ffn_hidden_size", None)
     if size is None and hasattr(text, "n_inner"):
         size = text.n_inner or 4 * int(text.hidden_size)
     return size

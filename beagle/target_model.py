@@ -11,6 +11,7 @@ The rules (docs/reliability.md, "Untrusted models"):
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,37 @@ def weight_files(model_path: str | Path) -> list[Path]:
             f"without the risk of running code in it (torch >= 2.6 can); convert it to safetensors "
             "(load it once where you trust it, then model.save_pretrained(dir, safe_serialization=True))")
     return files
+
+
+# Names of the input embedding across families: Llama-style, GPT-2, Falcon/BLOOM, GPT-NeoX, older Llama ports.
+_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight",
+                    "tok_embeddings.weight")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+def check_weights_match(model_path: str | Path, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """Refuse, from the safetensors headers alone (no tensor is read), weights that do not match the config:
+    an input embedding of another shape than [vocab_size, hidden_size], or fewer decoder layers than
+    num_hidden_layers. Called before any worker starts, so that a mismatched folder fails at once rather than
+    in every Ray actor. Pickle-only folders are not checked (their shapes cannot be read without loading);
+    extra layers (e.g. multi-token-prediction heads) are allowed, as transformers allows them."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="np") as handle:
+            shapes.update((name, handle.get_slice(name).get_shape()) for name in handle.keys())
+    if not shapes:
+        return
+    embedding = next(((name, shape) for name, shape in shapes.items()
+                      if name.endswith(_EMBEDDING_NAMES) and len(shape) == 2), None)
+    if embedding and list(embedding[1]) != [vocab_size, hidden_size]:
+        raise ValueError(f"--model {model_path}: its weights do not match config.json: {embedding[0]} is "
+                         f"{list(embedding[1])}, the config says [vocab_size={vocab_size}, hidden_size={hidden_size}]")
+    layers = {int(match.group(1)) for name in shapes if (match := _LAYER_INDEX.search(name))}
+    if layers and max(layers) + 1 < num_layers:
+        raise ValueError(f"--model {model_path}: its weights do not match config.json: they hold {max(layers) + 1} "
+                         f"decoder layers, the config says num_hidden_layers={num_layers}")
 
 
 def load_causal_lm(model_path: str | Path, *, dtype: str, device: torch.device, trust_remote_code: bool = False,

@@ -3,6 +3,7 @@ where torch can load them without running code, one device unless a device_map i
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,32 @@ def test_one_device_without_a_device_map(tmp_path):
     assert getattr(model, "hf_device_map", None) is None
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
     assert not model.training
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 128}, r"model\.embed_tokens\.weight is \[320, 64\], the config says \[vocab_size=320, "
+                           r"hidden_size=128\]"),
+    ({"vocab_size": 400}, r"is \[320, 64\], the config says \[vocab_size=400"),
+    ({"num_hidden_layers": 4}, r"they hold 2 decoder layers, the config says num_hidden_layers=4"),
+])
+def test_weights_that_do_not_match_the_config_are_refused_by_every_command_before_any_worker(
+        tmp_path, change, message):
+    import json
+
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    target = build_target(tmp_path / "target")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **change}))
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    for command in (["extract", "--data", str(data), "--out", str(tmp_path / "store")],
+                    ["regenerate", "--data", str(data), "--out", str(tmp_path / "answers.jsonl")],
+                    ["eval", "--drafter", str(tmp_path), "--prompts", str(data)]):
+        result = CliRunner().invoke(main, [command[0], "--model", str(target), *command[1:], "--no-progress"])
+        assert result.exit_code != 0, command[0]
+        assert f"--model {target}: its weights do not match config.json" in result.output, (command[0], result.output)
+        assert re.search(message, result.output), command[0]
+        assert "Traceback" not in result.output

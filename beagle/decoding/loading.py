@@ -12,7 +12,7 @@ from beagle.decoding.verify import check_supported
 from beagle.devices import torch_dtype
 from beagle.export import CONFIG_NAME, load_drafter
 from beagle.target_facts import facts_from_config, read_target_facts
-from beagle.target_model import load_causal_lm, load_tokenizer
+from beagle.target_model import check_weights_match, load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ def load_target(model_path: str | Path, dtype: str, device: torch.device):
     facts = read_target_facts(path)  # an unknown model_type is refused here, before any weight is read
     logger.info("target %s (%s): %d layers, width %d, vocabulary %d", path, facts.model_type,
                 facts.num_hidden_layers, facts.hidden_size, facts.vocab_size)
+    check_weights_match(path, facts.hidden_size, facts.vocab_size, facts.num_hidden_layers)
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, dtype=dtype, device=device)
     check_supported(model)

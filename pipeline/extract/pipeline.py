@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from beagle.devices import torch_dtype
 from beagle.target_facts import read_target_facts
-from beagle.target_model import weight_files
+from beagle.target_model import check_weights_match, weight_files
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
 from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, ReadResult, check_data_path, read_inputs
@@ -98,6 +98,7 @@ def prepare(config: ExtractConfig) -> Prepared:
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least 1")
     facts = read_target_facts(config.model_path, trust_remote_code=config.trust_remote_code)
+    check_weights_match(config.model_path, facts.hidden_size, facts.vocab_size, facts.num_hidden_layers)
     layers = normalize_layers(config.layers, facts.num_hidden_layers)
     tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
     read = read_inputs(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)

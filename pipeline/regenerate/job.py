@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from beagle.devices import DTYPES
-from beagle.target_model import weight_files
+from beagle.target_facts import read_target_facts
+from beagle.target_model import check_weights_match, weight_files
 from pipeline.extract.chat import load_tokenizer
 from pipeline.extract.forward import target_fingerprint
 from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
@@ -127,6 +128,8 @@ def _check(config: RegenerateConfig) -> None:
     if not config.out.endswith((".jsonl", ".ndjson")):
         raise ValueError(f"--out {config.out}: name the output file *.jsonl (extract reads it by its suffix)")
     weight_files(generate.model_path)
+    target = read_target_facts(generate.model_path, trust_remote_code=generate.trust_remote_code)
+    check_weights_match(generate.model_path, target.hidden_size, target.vocab_size, target.num_hidden_layers)
     if generate.dtype not in DTYPES:
         raise ValueError(f"--dtype {generate.dtype}: use one of {sorted(DTYPES)}")
     for name in ("max_new_tokens", "max_prompt_length", "batch_size"):
