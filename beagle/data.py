@@ -25,17 +25,21 @@ log = logging.getLogger(__name__)
 class Batch:
     input_ids: Tensor      # [B, L] int64, padded with 0
     loss_mask: Tensor      # [B, L] bool, False on padding
-    hidden: Tensor         # [B, L, d] float32 target states (the layer the LM head reads)
+    hidden: Tensor         # [B, L, d] target states (the layer the LM head reads): float32 once on the device
     lengths: Tensor        # [B] int64 true lengths
     row_start: int = 0                # data parallel: first row of this micro-batch in the global batch
     global_rows: int | None = None    # rows of the global batch (None: this batch is the global batch)
-    key_states: Tensor | None = None  # [B, L, n_layers * d] float32: the key layers, for fused keys
+    key_states: Tensor | None = None  # [B, L, n_layers * d]: the key layers, for fused keys (as `hidden`)
     token_count: int | None = None    # sum of lengths, known on the host when the batch is built
 
     def to(self, device: torch.device) -> "Batch":
-        key_states = None if self.key_states is None else self.key_states.to(device, non_blocking=True)
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.input_ids, self.loss_mask, self.hidden, self.lengths)),
+        """The batch on `device`, states in float32. States read in the store's dtype (bf16 on a GPU run)
+        cross in that dtype, half the bytes of fp32, and are cast on the device."""
+        def states(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=True).float()
+        key_states = None if self.key_states is None else states(self.key_states)
+        return Batch(self.input_ids.to(device, non_blocking=True), self.loss_mask.to(device, non_blocking=True),
+                     states(self.hidden), self.lengths.to(device, non_blocking=True),
                      self.row_start, self.global_rows, key_states, self.tokens)
 
     def key_input(self, fused: bool) -> Tensor:
@@ -150,17 +154,19 @@ class StoreSet:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def sample(self, index: int, limit: int) -> tuple[Tensor, ...]:
+    def sample(self, index: int, limit: int, *, as_stored: bool = False) -> tuple[Tensor, ...]:
         """(input_ids [L], loss_mask [L], hidden [L, d] float32), truncated to `limit` tokens; with fused
-        key layers also key_states [L, n_layers * d] float32."""
+        key layers also key_states [L, n_layers * d] float32. `as_stored`: states in the store's dtype
+        (bf16 stays bf16), for a GPU run that casts them on the device."""
         which = int(np.searchsorted(self._starts, index, side="right") - 1)
         s = self.stores[which][int(index - self._starts[which])]
+        dtype = None if as_stored else torch.float32
         hidden = s["hidden_states"][self._layer[which], :limit]
-        fields = (s["input_ids"][:limit], s["loss_mask"][:limit], hidden.to(torch.float32))
+        fields = (s["input_ids"][:limit], s["loss_mask"][:limit], hidden.to(dtype or hidden.dtype))
         if len(self.key_layers) == 1:
             return fields
         layers = s["hidden_states"][self._key_index[which], :limit]                 # [n, L, d]
-        return (*fields, layers.transpose(0, 1).reshape(layers.shape[1], -1).to(torch.float32))
+        return (*fields, layers.transpose(0, 1).reshape(layers.shape[1], -1).to(dtype or layers.dtype))
 
     def state_rms(self, max_samples: int, limit: int) -> float:
         """RMS of the target states over the first samples: the scale the key noise is relative to."""
@@ -205,18 +211,21 @@ def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int,
 
 
 def collate(samples: list[tuple[Tensor, ...]], *, pad_to: int = 0, hidden_size: int = 0,
-            key_width: int = 0) -> Batch:
+            key_width: int = 0, pin: bool = False) -> Batch:
     """Pad to the longest sample (or `pad_to` if longer: data-parallel micro-batches share the global
-    batch's length). `hidden_size` (and `key_width` for fused keys) give the widths when `samples` is empty."""
+    batch's length). `hidden_size` (and `key_width` for fused keys) give the widths when `samples` is empty.
+    States keep the samples' dtype. `pin`: page-locked host memory, from which a copy to a GPU runs
+    asynchronously (from pageable memory it is staged and waits)."""
     B = len(samples)
     L = max([int(s[0].shape[0]) for s in samples] + [pad_to])
     d = samples[0][2].shape[-1] if samples else hidden_size
     fused = samples[0][3].shape[-1] if samples and len(samples[0]) > 3 else key_width
-    ids = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    hidden = torch.zeros(B, L, d, dtype=torch.float32)
-    key_states = torch.zeros(B, L, fused, dtype=torch.float32) if fused else None
-    lengths = torch.zeros(B, dtype=torch.long)
+    dtype = samples[0][2].dtype if samples else torch.float32
+    ids = torch.zeros(B, L, dtype=torch.long, pin_memory=pin)
+    mask = torch.zeros(B, L, dtype=torch.bool, pin_memory=pin)
+    hidden = torch.zeros(B, L, d, dtype=dtype, pin_memory=pin)
+    key_states = torch.zeros(B, L, fused, dtype=dtype, pin_memory=pin) if fused else None
+    lengths = torch.zeros(B, dtype=torch.long, pin_memory=pin)
     for b, (i, m, h, *keys) in enumerate(samples):
         n = i.shape[0]
         ids[b, :n], mask[b, :n], hidden[b, :n], lengths[b] = i, m, h, n
@@ -230,25 +239,31 @@ class Loader:
     """Yields (batch_index, Batch, wait_seconds) from `start`, reading the next batch in a thread
     while the current one trains. wait_seconds is how long the trainer waited for data.
 
-    shard=(rank, world_size): read only this rank's contiguous slice of each batch (data parallel)."""
+    shard=(rank, world_size): read only this rank's contiguous slice of each batch (data parallel).
+    device: where the batches go. For a CUDA device they are read in the store's dtype into pinned memory
+    (bf16 crosses at half the bytes of fp32, asynchronously) and cast on the GPU; for the CPU they are cast
+    to fp32 here, in the reading thread, off the training thread."""
 
     def __init__(self, data: StoreSet, plan: list[list[int]], *, limit: int, start: int = 0,
-                 shard: tuple[int, int] = (0, 1)) -> None:
+                 shard: tuple[int, int] = (0, 1), device: torch.device | None = None) -> None:
         self.data, self.plan, self.limit, self.start, self.shard = data, plan, limit, start, shard
+        self.to_gpu = device is not None and device.type == "cuda"
+
+    def _samples(self, rows: list[int]) -> list[tuple[Tensor, ...]]:
+        return [self.data.sample(i, self.limit, as_stored=self.to_gpu) for i in rows]
 
     def _read(self, index: int) -> Batch:
         rows = self.plan[index]
         rank, world = self.shard
         if world == 1:
-            return collate([self.data.sample(i, self.limit) for i in rows])
+            return collate(self._samples(rows), pin=self.to_gpu)
         from beagle.distributed import shard_bounds
 
         lo, hi = shard_bounds(len(rows), rank, world)
         longest = max(min(int(self.data.lengths[i]), self.limit) for i in rows)
         fused = len(self.data.key_layers)
-        batch = collate([self.data.sample(i, self.limit) for i in rows[lo:hi]], pad_to=longest,
-                        hidden_size=self.data.hidden_size,
-                        key_width=fused * self.data.hidden_size if fused > 1 else 0)
+        batch = collate(self._samples(rows[lo:hi]), pad_to=longest, hidden_size=self.data.hidden_size,
+                        key_width=fused * self.data.hidden_size if fused > 1 else 0, pin=self.to_gpu)
         batch.row_start, batch.global_rows = lo, len(rows)
         return batch
 

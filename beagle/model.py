@@ -154,14 +154,18 @@ class SwiGLU(nn.Module):
 
 def register_frozen_head(module: nn.Module, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
     """Attach the target's embedding and LM head ([V, d] each) as frozen non-persistent buffers:
-    `.to()` moves them, `state_dict()` (the exported weights) leaves them out."""
+    `.to()` moves them, `state_dict()` (the exported weights) leaves them out.
+
+    They are the caller's tensors, not copies: at eval time the drafter reads the target's own embedding and
+    head (a 262k x 4096 head is 2 GB in bf16; a copy of each would cost 4 GB of GPU memory). Nothing writes
+    to them in place; `.to()` to another dtype or device makes the drafter its own converted copy."""
     expected = (config.vocab_size, config.hidden_size)
     for name, t in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
         if tuple(t.shape) != expected:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected} "
                              "(vocab_size, hidden_size) from the drafter config")
-    module.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
-    module.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)
+    module.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+    module.register_buffer("lm_head", lm_head.detach(), persistent=False)
 
 
 class LayerFusion(nn.Module):

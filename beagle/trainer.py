@@ -224,7 +224,8 @@ def _train_epochs(run: _Run, on_step: Callable[[dict[str, Any], int], None] | No
             loss_fn = _stage_loss(run.config, phases[epoch])
             position = (epoch + 1, 0)  # where to go if this epoch has no batch left
             for batch_index, batch, wait in Loader(run.data, run.plans[epoch], limit=run.config.sequence_limit,
-                                                   start=start_batch, shard=(run.ctx.rank, run.ctx.world_size)):
+                                                   start=start_batch, shard=(run.ctx.rank, run.ctx.world_size),
+                                                   device=run.device):
                 if run.step >= run.total_steps:
                     position = (epoch, batch_index)
                     break

@@ -168,3 +168,15 @@ def test_eval_runs_an_eagle2_baseline_drafter(setup, tmp_path):
                                        "--top-k", "3", "--total-tokens", "8", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "outputs match plain greedy decoding" in result.output
+
+
+def test_the_drafter_reads_the_targets_own_embedding_and_head_without_a_copy(setup):
+    from beagle.decoding.loading import load_drafter_for, load_target
+
+    root, _, _ = setup
+    model, _ = load_target(root / "target", "float32", torch.device("cpu"))
+    drafter, _ = load_drafter_for(root / "run" / "drafter", model, "float32", torch.device("cpu"))
+    assert drafter.lm_head.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    assert drafter.embed_tokens.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    bf16, _ = load_drafter_for(root / "run" / "drafter", model, "bfloat16", torch.device("cpu"))
+    assert bf16.lm_head.dtype == torch.bfloat16 and model.get_output_embeddings().weight.dtype == torch.float32

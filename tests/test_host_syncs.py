@@ -96,3 +96,44 @@ def test_keeping_or_dropping_loss_less_rows_gives_the_same_loss(store, tmp_path,
                    for compact in (True, False)]
     torch.testing.assert_close(results[0].loss, results[1].loss, rtol=1e-5, atol=1e-6)
     assert torch.equal(results[0].correct, results[1].correct) and torch.equal(results[0].count, results[1].count)
+
+
+def test_the_tree_mask_is_built_on_the_device_without_reading_it_back(host_reads):
+    from beagle.decoding.verify import tree_ancestors, tree_attention_mask
+    from tests.decoding_helpers import tiny_target
+
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2, 5, 6, 0])
+    expected = torch.eye(len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents.tolist()):  # the definition: a node sees its parent's ancestors
+        if parent >= 0:
+            expected[node] |= expected[parent]
+    host_reads.clear()
+    depths = torch.tensor([0, 1, 1, 2, 3, 2, 3, 4, 1])
+    with SyncCounter() as counter:
+        ancestors = tree_ancestors(parents)
+        mask = tree_attention_mask(parents, depths, 5, torch.float32, torch.device("cpu"), tiny_target())
+    assert counter.syncs == [] and host_reads == []
+    assert torch.equal(ancestors, expected)
+    assert torch.equal(mask[0, 0, :, 5:] == 0, expected) and bool((mask[0, 0, :, :5] == 0).all())
+
+
+def test_drafting_reads_the_device_as_often_at_depth_6_as_at_depth_2(host_reads):
+    """Without a confidence gate no draft depth waits for the device: the reads per round do not grow."""
+    from beagle.decoding import DraftConfig
+    from beagle.decoding.generate import SpeculativeSession
+    from beagle.decoding.tree import build_draft_tree
+    from tests.decoding_helpers import random_drafter, tiny_target
+
+    target = tiny_target()
+    drafter = random_drafter(target)
+    prompt = torch.tensor([3, 5, 7, 9])
+    counts = {}
+    for depth in (2, 6):
+        config = DraftConfig(depth=depth, top_k=3, total_tokens=10)
+        session = SpeculativeSession(target, drafter, config)
+        session.prefill(prompt)
+        host_reads.clear()
+        with torch.no_grad(), SyncCounter() as counter:
+            build_draft_tree(session.backend, session.token, len(prompt), config)
+        counts[depth] = (len(counter.syncs), len(host_reads))
+    assert counts[2] == counts[6], counts

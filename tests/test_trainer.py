@@ -172,3 +172,22 @@ def test_a_reduced_draft_vocabulary_trains_the_token_loss_on_it_and_is_exported(
     assert torch.equal(loss_head(model), head["lm_head"][tokens])
     reduced = stage1_loss(model, batch, 0, settings).finish().loss
     assert 0 < reduced < full  # a soft CE over 20 tokens instead of the whole vocabulary
+
+
+def test_batches_for_a_gpu_keep_the_stores_bf16_and_are_cast_on_the_device(tmp_path):
+    """For a CUDA run the loader reads states as stored (bf16: half the bytes to copy) and `Batch.to` casts
+    them on the device; the values equal the CPU path's fp32 batch exactly (bf16 -> fp32 is exact)."""
+    from beagle.data import Loader, plan_epoch
+
+    data = StoreSet([build_tiny_store(tmp_path / "bf16", num_samples=6, dtype="bfloat16")])
+    plan = plan_epoch(data.lengths, batch_tokens=160, limit=64, seed=0, epoch=0)
+    on_cpu = Loader(data, plan, limit=64)
+    for_gpu = Loader(data, plan, limit=64, device=torch.device("cuda"))  # no batch is read: nothing needs CUDA
+    assert not on_cpu.to_gpu and for_gpu.to_gpu
+    rows = plan[0]
+    stored = collate(for_gpu._samples(rows))
+    assert stored.hidden.dtype == torch.bfloat16
+    moved = stored.to(torch.device("cpu"))
+    reference = collate(on_cpu._samples(rows))
+    assert reference.hidden.dtype == torch.float32 and moved.hidden.dtype == torch.float32
+    assert torch.equal(moved.hidden, reference.hidden) and torch.equal(moved.input_ids, reference.input_ids)

@@ -75,11 +75,11 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tok
     _synchronize(device)
     start = time.perf_counter()
     cache = new_cache(model)
-    output = run_target(model, cache, prompt_ids, hidden=False)
+    output = run_target(model, cache, prompt_ids, hidden=False, last_logits_only=True)
     tokens, done = _finish([_choose(output.logits[-1], temperature, generator)], eos_token_ids, max_new_tokens)
     passes = 0
     while not done:
-        output = run_target(model, cache, prompt_ids.new_tensor([tokens[-1]]), hidden=False)
+        output = run_target(model, cache, prompt_ids.new_tensor([tokens[-1]]), hidden=False, last_logits_only=True)
         passes += 1
         tokens, done = _finish(tokens + [_choose(output.logits[-1], temperature, generator)],
                                eos_token_ids, max_new_tokens)
@@ -107,7 +107,7 @@ class SpeculativeSession:
 
     def prefill(self, prompt_ids: torch.Tensor) -> int:
         """Run the prompt `[P]` through the target, seed the drafter's cache, return the first new token."""
-        output = run_target(self.model, self.cache, prompt_ids, layers=self._key_layers)
+        output = run_target(self.model, self.cache, prompt_ids, layers=self._key_layers, last_logits_only=True)
         positions = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
         self.backend.append(output.hidden.to(self._drafter_dtype), positions, prompt_ids)
         self.token = _choose(output.logits[-1], self.config.temperature, self.generator)

@@ -206,7 +206,9 @@ def build_draft_tree(backend, root_token: int, root_position: int, config: Draft
 
         tokens, paths, scores = _propose_children(log_q, phi, perturbed, config.top_k, sample, generator)
         ids = proposals.add(tokens, expanded_ids, step + 1, scores)
-        confident = int((paths >= config.log_min_confidence).sum())  # greedy: paths are the scores
+        # greedy: paths are the scores. Without a gate every path qualifies: counted without reading the device
+        confident = (tokens.numel() if config.log_min_confidence == -math.inf
+                     else int((paths >= config.log_min_confidence).sum()))
         if last or confident == 0:
             break
         # Expand the best top_k of the newest depth (only confident ones: a child never beats its parent).

@@ -10,7 +10,9 @@ and a cache that can be cut back (beagle/decoding/attention_layout.py).
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +24,19 @@ from beagle.decoding.tree import DraftTree
 
 @dataclass(frozen=True)
 class TargetOutput:
-    logits: torch.Tensor  # [L, V] next-token logits after each input token
+    logits: torch.Tensor  # [L, V] next-token logits after each input token ([1, V]: the last only)
     hidden: torch.Tensor  # [L, n_layers * d] states of the drafter's key layers, concatenated ([L, d] for -1 alone)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    """The argument names of a model class's forward, read once per class (every decoding step asks)."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def _cache_keyword(model: torch.nn.Module) -> str:
     """transformers >= 5.x names the cache argument `cache`; earlier versions `past_key_values`."""
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+    return "cache" if "cache" in _forward_parameters(type(model)) else "past_key_values"
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
@@ -45,27 +52,44 @@ def check_supported(model: torch.nn.Module) -> None:
 def run_target(model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Tensor,
                position_ids: torch.Tensor | None = None,
                attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
-               hidden: bool = True, layers: tuple[int, ...] = (-1,)) -> TargetOutput:
+               hidden: bool = True, layers: tuple[int, ...] = (-1,), last_logits_only: bool = False) -> TargetOutput:
     """One target forward over `input_ids` `[L]` that appends to `cache`; returns logits and the states of
-    `layers` (HF hidden_states indices, -1 = after the final norm), concatenated in that order."""
+    `layers` (HF hidden_states indices, -1 = after the final norm), concatenated in that order.
+
+    `last_logits_only` (a prefill, a plain step): only the last position's logits are computed (`[1, V]`), not
+    `[L, V]`: for a long prompt and a large vocabulary that is most of the LM head's time and memory."""
+    keep = {"logits_to_keep": 1} if last_logits_only and "logits_to_keep" in _forward_parameters(type(model)) else {}
     outputs = model(input_ids=input_ids[None],
                     position_ids=None if position_ids is None else position_ids[None],
                     attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden,
-                    **{_cache_keyword(model): cache})
+                    **{_cache_keyword(model): cache}, **keep)
     states = torch.cat([outputs.hidden_states[layer][0] for layer in layers], dim=-1) if hidden else None
     return TargetOutput(logits=outputs.logits[0], hidden=states)
+
+
+def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """`[N, N]` bool: row i marks node i and its ancestors, from `parents` `[N]` (-1 for the root).
+
+    Computed on the parents' device without reading them back: the one-step relation (self or parent) is
+    squared ceil(log2 N) times, each squaring doubling the path length it covers, so no host loop over the
+    nodes and no synchronisation per round."""
+    size = parents.shape[0]
+    has_parent = (parents >= 0)[:, None]  # [N, 1]
+    columns = torch.arange(size, device=parents.device)
+    step = (parents.clamp(min=0)[:, None] == columns[None, :]) & has_parent  # [N, N] i -> parent(i)
+    reach = (step | torch.eye(size, dtype=torch.bool, device=parents.device)).float()
+    for _ in range(max(1, math.ceil(math.log2(size)))):
+        reach = (reach @ reach).clamp_(max=1.0)  # paths of up to twice the length
+    return reach.bool()
 
 
 def tree_attention_mask(parents: torch.Tensor, depths: torch.Tensor, past_length: int, dtype: torch.dtype,
                         device: torch.device, model: torch.nn.Module) -> torch.Tensor | dict[str, torch.Tensor]:
     """Additive mask `[1, 1, N+1, past+N+1]` (a dict of them by layer type for a hybrid target): every node sees
     the committed past, itself and its ancestors; sliding-window layers only those within their window."""
-    size = parents.shape[0]
-    ancestors = torch.eye(size, dtype=torch.bool)
-    for position, parent in enumerate(parents.tolist()):
-        if parent >= 0:  # parents precede children, so the parent's row is complete
-            ancestors[position] |= ancestors[parent]
-    visible = torch.cat([torch.ones(size, past_length, dtype=torch.bool), ancestors], dim=-1).to(device)
+    ancestors = tree_ancestors(parents.to(device))  # [N+1, N+1]
+    visible = torch.cat([torch.ones(ancestors.shape[0], past_length, dtype=torch.bool, device=device), ancestors],
+                        dim=-1)
     query_positions = past_length + depths.to(device)  # [N+1]
     key_positions = torch.cat([torch.arange(past_length, device=device), query_positions])  # [past+N+1]
     return attention_layout(model).tree_masks(visible, query_positions, key_positions, dtype)
