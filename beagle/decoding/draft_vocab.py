@@ -105,9 +105,13 @@ class ReducedVocabDrafter(nn.Module):
     def project_fused(self, z: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.drafter.project_fused(z, positions)
 
+    def compact_logits(self, hidden: Tensor) -> Tensor:
+        """[B, Lq, d] -> [B, Lq, N]: logits of the subset, column j for token `tokens[j]`."""
+        return hidden @ self.head.to(hidden.dtype).T
+
     def logits(self, hidden: Tensor) -> Tensor:
-        """[B, Lq, d] -> [B, Lq, V], scored on the subset only."""
-        subset = hidden @ self.head.to(hidden.dtype).T  # [B, Lq, N]
+        """[B, Lq, d] -> [B, Lq, V], scored on the subset only (every other token -inf)."""
+        subset = self.compact_logits(hidden)  # [B, Lq, N]
         full = subset.new_full((*subset.shape[:-1], self.config.vocab_size), float("-inf"))
         full[..., self.tokens] = subset
         return full

@@ -16,11 +16,25 @@ import torch
 from beagle.decoding.kv_cache import DraftKeyCache
 
 
+def scored_columns(drafter: torch.nn.Module) -> torch.Tensor | None:
+    """The token id of each logit column a backend returns: the draft vocabulary `[N]` of a drafter that
+    scores one (`ReducedVocabDrafter`), else None (column = token id, the whole vocabulary)."""
+    return drafter.tokens if hasattr(drafter, "compact_logits") else None
+
+
+def _scored_logits(drafter: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`[B, q, N]` logits over the drafter's draft vocabulary (`[B, q, V]` without one): drafting ranks and
+    normalises over N columns, never over a V-wide row of -inf (at a 262k vocabulary that was most of a round)."""
+    compact = getattr(drafter, "compact_logits", None)
+    return compact(hidden) if compact is not None else drafter.logits(hidden)
+
+
 class BeagleBackend:
     def __init__(self, drafter: torch.nn.Module, concatenate: bool) -> None:
         self.drafter = drafter
         self.cache = DraftKeyCache(drafter)
         self.concatenate = concatenate
+        self.token_ids = scored_columns(drafter)
 
     def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """True states `[L, d]` of the tokens `[L]` at `positions` `[L]`, as the target produced them."""
@@ -42,7 +56,8 @@ class BeagleBackend:
         return hidden, bank
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.drafter.logits(hidden)
+        """`[B, q, N]` over the columns `token_ids` names (all V when it is None)."""
+        return _scored_logits(self.drafter, hidden)
 
 
 class Eagle2Backend:
@@ -53,6 +68,7 @@ class Eagle2Backend:
 
         self.drafter = drafter
         self.cache = Eagle2KeyCache(drafter)
+        self.token_ids = scored_columns(drafter)
 
     def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         self.cache.append(states, positions, tokens)
@@ -77,7 +93,8 @@ class Eagle2Backend:
         return hidden, (own_keys.to(keys.dtype), own_values.to(values.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.drafter.logits(hidden)
+        """`[B, q, N]` over the columns `token_ids` names (all V when it is None)."""
+        return _scored_logits(self.drafter, hidden)
 
 
 def draft_backend(drafter: torch.nn.Module, concatenate: bool = True):

@@ -173,6 +173,13 @@ class _KeyBank:
         self.query_mask = self.visible_below[parent_rows]
 
 
+def _over_vocabulary(probs: torch.Tensor, columns: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """`[V]` draft distribution from `[N]` probabilities over the scored columns (zero elsewhere)."""
+    if columns is None:
+        return probs
+    return probs.new_zeros(vocab_size).index_copy_(0, columns, probs)
+
+
 def build_draft_tree(backend, root_token: int, root_position: int, config: DraftConfig,
                      generator: torch.Generator | None = None) -> DraftTree:
     """Draft a tree after the root token. `backend` (see `drafters.py`) wraps the drafter and its cache
@@ -183,6 +190,8 @@ def build_draft_tree(backend, root_token: int, root_position: int, config: Draft
     scale = 1.0 / config.temperature if sample else 1.0
     concatenate = backend.concatenate and config.depth > 1
     parent_states = backend.root_parent_states()  # [1, q, d] or None
+    columns = getattr(backend, "token_ids", None)  # [N] token id of each logit column, None: column = token id
+    vocab_size = backend.drafter.config.vocab_size
     proposals = _Proposals.root(root_token, device)
     bank = _KeyBank()
     expanded_ids = torch.zeros(1, dtype=torch.long, device=device)  # node ids run at this step
@@ -197,14 +206,16 @@ def build_draft_tree(backend, root_token: int, root_position: int, config: Draft
         keys, values, mask = bank.attention_inputs(true_keys, true_values, num_queries)
         hidden, new_bank = backend.step(query_tokens[None], positions, parent_states, keys, values, mask,
                                         need_bank=not last)  # [1, q, d]
-        log_q = torch.log_softmax(backend.logits(hidden)[0].float() * scale, dim=-1)  # [q, V]
+        log_q = torch.log_softmax(backend.logits(hidden)[0].float() * scale, dim=-1)  # [q, N]: V or draft vocab
         if sample:
             for row, node_id in enumerate(expanded_ids.tolist()):
-                proposals.draft_probs[node_id] = log_q[row].exp()
+                proposals.draft_probs[node_id] = _over_vocabulary(log_q[row].exp(), columns, vocab_size)
         if not last and concatenate:
             bank.append(*new_bank)  # keys for the queries' descendants
 
         tokens, paths, scores = _propose_children(log_q, phi, perturbed, config.top_k, sample, generator)
+        if columns is not None:
+            tokens = columns[tokens]  # logit columns -> token ids
         ids = proposals.add(tokens, expanded_ids, step + 1, scores)
         # greedy: paths are the scores. Without a gate every path qualifies: counted without reading the device
         confident = (tokens.numel() if config.log_min_confidence == -math.inf
