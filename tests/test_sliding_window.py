@@ -12,6 +12,7 @@ import torch
 from beagle.decoding import DraftConfig
 from beagle.decoding.generate import plain_generate, speculative_generate
 from beagle.decoding.verify import check_supported
+from beagle.prompts import render
 from tests.decoding_helpers import bigram_drafter
 
 WINDOW = 6
@@ -95,3 +96,31 @@ def test_a_target_with_linear_attention_layers_is_refused_up_front():
                              moe_intermediate_size=16, shared_expert_intermediate_size=16, **SIZES)
     with pytest.raises(ValueError, match="Qwen3NextForCausalLM has linear_attention layers.*cannot be removed"):
         check_supported(Qwen3NextForCausalLM(config))
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_regenerate_answers_a_sliding_window_target_as_its_own_greedy_decoding(family, tmp_path):
+    """`regenerate`'s batched, left-padded generation (the code its Ray actors run) on a sliding-window target
+    gives each conversation the answer plain greedy decoding gives it alone, beyond the window."""
+    from pipeline.regenerate.generation import ConversationGenerator, GenerateConfig
+    from pipeline.regenerate.prompts import PromptRecord
+    from tests.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path, template="chatml")
+    small = _target(family, WINDOW)  # the family's config, made at the tokenizer's vocabulary
+    config = small.config.__class__(**{**small.config.to_dict(), "vocab_size": len(tokenizer),
+                                       "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+    torch.manual_seed(0)
+    model = small.__class__(config).eval()
+    model.save_pretrained(str(tmp_path))
+    generator = ConversationGenerator(GenerateConfig(model_path=str(tmp_path), dtype="float32", max_new_tokens=20,
+                                                     batch_size=3))
+    records = [PromptRecord(f"r{i}", "test", i, (), (text,)) for i, text in
+               enumerate(["Hello", "What is the capital of France? The quick brown fox", "Write a poem"])]
+    answers = generator.answer(records, seed=0)
+    for record, answer in zip(records, answers):
+        ids = render(tokenizer, [{"role": "user", "content": record.turns[0]}])
+        plain = plain_generate(model, torch.tensor(ids), 20, {tokenizer.eos_token_id}).tokens
+        plain = plain[:-1] if plain and plain[-1] == tokenizer.eos_token_id else plain
+        assert answer.messages[-1]["content"] == tokenizer.decode(plain, skip_special_tokens=True), record.sample_id
+    assert len(ids) + 20 > WINDOW
