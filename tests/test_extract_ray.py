@@ -104,6 +104,24 @@ def test_two_workers_store_what_a_direct_forward_computes(ray_address, workspace
     torch.testing.assert_close(store.load_head()["embed_tokens"], model.get_input_embeddings().weight)
 
 
+def test_an_actor_forwards_the_next_shard_while_it_writes_the_last(ray_address, workspace):
+    """Two shards in flight per actor, the forward under a lock: writes overlap the next forward."""
+    out = workspace["root"] / "overlapped"
+    summary = run_extract(_config(workspace, out, num_workers=1, samples_per_shard=2))
+    assert summary.shards == 6 and summary.actors == 1 and verify_store(str(out)).ok
+    assert summary.write_overlap_seconds > 0
+    assert summary.actor_forward_seconds < summary.actor_seconds
+
+
+def test_write_overlap_is_measured_per_actor():
+    from pipeline.extract.pipeline import write_overlap_seconds
+
+    spans = [(1, 0.0, 1.0, 3.0), (1, 1.0, 2.5, 4.0), (2, 0.0, 1.0, 2.0), (1, 2.5, 3.0, 5.0)]
+    # actor 1: shard 1 written over [1, 3] while shard 2 forwards over [1, 2.5] -> 1.5; shard 2 written over
+    # [2.5, 4] while shard 3 forwards over [2.5, 3] -> 0.5; actor 2 alone -> 0
+    assert write_overlap_seconds(spans) == pytest.approx(2.0)
+
+
 def test_reruns_are_deterministic_and_other_settings_are_refused(ray_address, workspace):
     first, second = workspace["root"] / "store", workspace["root"] / "again"
     if not (first / "manifest.json").exists():

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import threading
 import time
 from typing import Any
 
@@ -62,14 +63,21 @@ def tokenize_chunks(batch: dict[str, np.ndarray], *, model_path: str, trust_remo
 class ShardExtractor:
     """Ray Data actor: loads the target once; per row, forwards one shard's samples and commits the shard.
 
+    Two rows run at once on two threads of the actor (`ActorPool.map_batches(overlap=True)`): the forward is
+    serialised by a lock, so while one shard is encoded, hashed and written the next shard's forward already
+    runs, and the device never waits for the disk. At most one shard waits for its write behind the one
+    being forwarded: the back-pressure when the writer falls behind. A write that fails (a full disk) stops
+    that row with its error; its shard is never committed, and the driver stops the job.
+
     Also writes the store's head (embedding + LM head) once if it is not there yet: every actor holds
-    the model already, and the head write is atomic, so two actors racing write the same bytes.
+    the model already, and the head write is atomic, so two actors (or threads) racing write the same bytes.
     """
 
     def __init__(self, config: ForwardConfig, store_url: str) -> None:
         self.config = config
         self.store_url = store_url
         self.forward = TargetForward(config)
+        self._forward_lock = threading.Lock()
         self._head_done = False
 
     def _ensure_head(self) -> None:
@@ -84,12 +92,14 @@ class ShardExtractor:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from pipeline.extract.store_tensors import write_shard
 
-        infos, seconds, forward_seconds = [], [], []
+        infos, seconds, forward_seconds, spans = [], [], [], []
         for shard_index, payload in zip(batch["shard_index"], batch["samples"]):
-            started = time.perf_counter()
             samples = pickle.loads(payload)
-            states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
-            forward_seconds.append(time.perf_counter() - started)
+            with self._forward_lock:  # one forward at a time on the device; the other thread writes meanwhile
+                forward_started = time.time()
+                states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
+                forward_ended = time.time()
+            forward_seconds.append(forward_ended - forward_started)  # waiting for the lock is not forward time
             try:
                 rows = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
                          "hidden_states": h} for s, h in zip(samples, states)]
@@ -102,15 +112,18 @@ class ShardExtractor:
                 # data, which raises it as the OSError it is, instead of Ray's traceback of a failed UDF.
                 infos.append(json.dumps({"os_error": {"errno": error.errno, "strerror": error.strerror,
                                                       "filename": str(error.filename or self.store_url)}}))
-                seconds.append(time.perf_counter() - started)
+                spans.append([forward_started, forward_ended, time.time()])
+                seconds.append(spans[-1][2] - forward_started)
                 break
             infos.append(json.dumps(info))
-            seconds.append(time.perf_counter() - started)
+            spans.append([forward_started, forward_ended, time.time()])  # forward start, forward end, committed
+            seconds.append(spans[-1][2] - forward_started)  # this shard's own forward and write
             logger.info("shard %d: %d samples in %.2fs (pid %d, node %s)", shard_index, len(samples),
                         seconds[-1], os.getpid(), _node_id())
         return {"shard_index": np.asarray(batch["shard_index"][:len(infos)], dtype=np.int64),
                 "info": np.asarray(infos, dtype=object),
                 "seconds": np.asarray(seconds), "forward_seconds": np.asarray(forward_seconds),
+                "spans": np.asarray(spans, dtype=np.float64).reshape(len(infos), 3),
                 "pid": np.full(len(infos), os.getpid(), dtype=np.int64),
                 "node": np.asarray([_node_id()] * len(infos), dtype=object)}
 

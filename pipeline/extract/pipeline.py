@@ -76,6 +76,7 @@ class Prepared:
     actor_nodes: dict[int, str] = field(default_factory=dict)  # shard index -> Ray node id that wrote it
     actor_seconds: float = 0.0  # summed over shards: forward + write inside the actors
     actor_forward_seconds: float = 0.0  # summed over shards: the forward alone
+    actor_spans: list[tuple[int, float, float, float]] = field(default_factory=list)  # pid, forward start/end, commit
 
 
 def _absolute(url: str) -> str:
@@ -195,7 +196,7 @@ def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
                                                          for s in samples])}
             for k, samples in sorted(shards.items())]
     dataset = pool.map_batches(ray.data.from_items(rows, override_num_blocks=len(rows)), ShardExtractor,
-                               config=forward_config, store_url=url)
+                               overlap=True, config=forward_config, store_url=url)
     logger.info("forward: %d shards on %d %s actor(s)", len(rows), pool.workers, pool.kind)
     infos = []
     for row in dataset.iter_rows():
@@ -216,6 +217,7 @@ def _record_shard(prepared: Prepared, row: dict, infos: list[dict], progress: Pr
                 prepared.actor_nodes[int(row["shard_index"])])
     prepared.actor_seconds += float(row["seconds"])
     prepared.actor_forward_seconds += float(row["forward_seconds"])
+    prepared.actor_spans.append((int(row["pid"]), *(float(t) for t in row["spans"])))
     if progress is not None:
         progress.advance(info["samples"], info["tokens"])
 
@@ -333,8 +335,20 @@ def _add_run_facts(summary: ExtractSummary, prepared: Prepared, url: str, starte
     summary.actors = len(prepared.actor_pids)
     summary.nodes = len(set(prepared.actor_nodes.values()))
     summary.actor_seconds, summary.actor_forward_seconds = prepared.actor_seconds, prepared.actor_forward_seconds
+    summary.write_overlap_seconds = write_overlap_seconds(prepared.actor_spans)
     summary.store_bytes, summary.head_bytes = _store_bytes(url), _head_bytes(url)
     summary.seconds = time.perf_counter() - started
+
+
+def write_overlap_seconds(spans: list[tuple[int, float, float, float]]) -> float:
+    """How long shards were being written while the same actor already forwarded the next one: the write
+    time the overlap hid from the device. `spans`: (actor pid, forward start, forward end, committed)."""
+    hidden = 0.0
+    for pid in {span[0] for span in spans}:
+        mine = sorted(span[1:] for span in spans if span[0] == pid)
+        for (_, written_from, written_to), (next_start, next_end, _) in zip(mine, mine[1:]):
+            hidden += max(0.0, min(written_to, next_end) - max(written_from, next_start))
+    return hidden
 
 
 def _store_bytes(url: str) -> int:

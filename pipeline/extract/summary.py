@@ -24,6 +24,7 @@ class ExtractSummary:
     nodes: int = 0  # Ray nodes whose actors committed shards in this run
     actor_seconds: float = 0.0  # busy time of the actors, summed over shards (forward + write)
     actor_forward_seconds: float = 0.0  # of which the forward alone
+    write_overlap_seconds: float = 0.0  # shard writes that ran while the same actor forwarded the next shard
     state: str = "new"  # new | resume | complete (nothing left to do)
     dry_run: bool = False
 
