@@ -1,7 +1,7 @@
 """How the target's layers attend, as verification must honour it: one mask per layer type, and a cache
 that can be cut back after a rejection.
 
-A draft tree is verified with an explicit mask (docs/method.md §5.2). Full-attention layers let a node see
+A draft tree is verified with an explicit mask (docs/method.md §5.1). Full-attention layers let a node see
 the whole committed past plus its ancestors. Sliding-window layers (Mistral, Gemma 2/3, Qwen2 with
 `use_sliding_window`, Phi-3) must in addition hide every key W or more positions behind the query, exactly as
 the model's own mask does in plain decoding (`kv_idx > q_idx - W`). Each layer type gets its own mask;

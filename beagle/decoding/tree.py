@@ -213,7 +213,8 @@ def build_draft_tree(backend, root_token: int, root_position: int, config: Draft
         if not last and concatenate:
             bank.append(*new_bank)  # keys for the queries' descendants
 
-        tokens, paths, scores = _propose_children(log_q, phi, perturbed, config.top_k, sample, generator)
+        children = min(config.top_k, log_q.shape[-1])  # a draft vocabulary smaller than top-k offers all it has
+        tokens, paths, scores = _propose_children(log_q, phi, perturbed, children, sample, generator)
         if columns is not None:
             tokens = columns[tokens]  # logit columns -> token ids
         ids = proposals.add(tokens, expanded_ids, step + 1, scores)
