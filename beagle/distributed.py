@@ -28,6 +28,7 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    launcher: str = "torchrun"  # who set up the process group: "torchrun" (env), or "ray" (Ray Train)
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +64,7 @@ def session(device_name: str) -> Iterator[DistContext]:
     and leaves it at the end. Without either: a single process."""
     created = False
     if _initialized():
-        ctx = DistContext(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0))
+        ctx = DistContext(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0), launcher="ray")
     elif _env_int("WORLD_SIZE", 1) > 1:
         local_rank = _env_int("LOCAL_RANK", 0)
         use_cuda = torch.cuda.is_available() and device_name != "cpu"
@@ -83,9 +84,18 @@ def session(device_name: str) -> Iterator[DistContext]:
 
 
 def rank_device(device: torch.device, ctx: DistContext) -> torch.device:
-    """One GPU per rank: cuda becomes cuda:LOCAL_RANK under data parallelism."""
-    if ctx.enabled and device.type == "cuda" and device.index is None:
+    """One GPU per rank under data parallelism: `cuda` becomes cuda:LOCAL_RANK.
+
+    An explicit `cuda:N` is refused under torchrun (it would put every rank on GPU N) and kept under Ray
+    Train, whose launcher names the GPU Ray assigned to each worker (`pipeline/train_launch.py`: Ray sets the
+    worker's visible devices, so cuda:LOCAL_RANK need not be among them)."""
+    if not ctx.enabled or device.type != "cuda":
+        return device
+    if device.index is None:
         return torch.device("cuda", ctx.local_rank)
+    if ctx.launcher == "torchrun":
+        raise ValueError(f"--device {device} under torchrun would put all {ctx.world_size} ranks on GPU "
+                         f"{device.index}; pass --device cuda: each rank then takes cuda:LOCAL_RANK")
     return device
 
 

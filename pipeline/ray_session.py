@@ -34,8 +34,9 @@ def joined_cluster(address: str | None) -> bool:
     return bool(address or os.environ.get("RAY_ADDRESS"))
 
 
-def quiet_ray_data() -> None:
-    """Ray Data's own progress bars would fight with ours (the CLI's tqdm)."""
+def configure_ray_data() -> None:
+    """How our jobs run Ray Data: without its progress bars (they would fight with the CLI's tqdm), with the
+    whole actor pool loaded before work starts, and without its no-progress timeout."""
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")  # read when ray.data is first imported
     import ray.data
     context = ray.data.DataContext.get_current()
@@ -45,6 +46,11 @@ def quiet_ray_data() -> None:
     # Start work only when the whole actor pool holds its model, so work spreads over all actors
     # instead of queueing on the first one to finish loading.
     context.wait_for_min_actors_s = 3600
+    # One shard (or chunk) is one task, and it may rightly run for a long time: 256 long samples of a large
+    # target on a CPU, or an actor that other work starves. Ray Data's guard (no output for 30 min) would
+    # then kill the whole job with its own traceback; it did, in the scaling study. Our progress is per
+    # shard, each committed as it comes, so a rerun resumes whatever stops.
+    context.execution_no_progress_timeout_s = -1
 
 
 def quiet_ray_loggers() -> None:

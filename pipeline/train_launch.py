@@ -8,6 +8,7 @@ never loads Ray. Ray is joined or started by `pipeline.ray_session.connect_ray`,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -24,13 +25,17 @@ log = logging.getLogger(__name__)
 def _train_loop(cfg: dict[str, Any]) -> None:
     """Runs on each Ray Train worker."""
     import ray.train
+    import ray.train.torch
+    import torch
 
     from beagle.train_config import TrainConfig
     from beagle.trainer import train
 
-    os.environ["LOCAL_RANK"] = str(ray.train.get_context().get_local_rank())  # picks cuda:LOCAL_RANK
-    result = train(cfg["stores"], cfg["run_dir"], TrainConfig.from_dict(cfg["config"]), resume=cfg["resume"],
-                   cache_dir=cfg["cache_dir"])
+    os.environ["LOCAL_RANK"] = str(ray.train.get_context().get_local_rank())
+    config = TrainConfig.from_dict(cfg["config"])
+    if config.device != "cpu" and torch.cuda.is_available():  # the GPU Ray assigned to this worker, by name
+        config = dataclasses.replace(config, device=str(ray.train.torch.get_device()))
+    result = train(cfg["stores"], cfg["run_dir"], config, resume=cfg["resume"], cache_dir=cfg["cache_dir"])
     final = result.final_metrics or {}
     ray.train.report({"steps": result.steps, "loss": final.get("loss")})
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from beagle.data import Loader, StoreSet, plan_epoch
-from beagle.distributed import shard_bounds
+from beagle.distributed import DistContext, shard_bounds
 from beagle.train_config import TrainConfig
 from beagle.trainer import train
 from tests.tiny_store import build_tiny_store
@@ -163,3 +163,17 @@ def test_every_rank_gets_rows_of_every_batch(world):
         assert all(hi > lo for lo, hi in slices), (len(batch), slices)
     one_rank = plan_epoch(lengths, batch_tokens=300, limit=256, seed=1, epoch=0)
     assert min(len(b) for b in one_rank) < world <= min(len(b) for b in plan)  # the guard did something
+
+
+def test_each_rank_gets_its_own_gpu_and_an_explicit_one_is_refused_under_torchrun():
+    """Checked without a GPU: torch.device objects name devices without touching them."""
+    from beagle.distributed import rank_device
+
+    torchrun = DistContext(rank=1, world_size=4, local_rank=1)
+    assert rank_device(torch.device("cuda"), torchrun) == torch.device("cuda", 1)
+    assert rank_device(torch.device("cpu"), torchrun) == torch.device("cpu")
+    with pytest.raises(ValueError, match="would put all 4 ranks on GPU 2; pass --device cuda"):
+        rank_device(torch.device("cuda", 2), torchrun)
+    ray_train = DistContext(rank=1, world_size=4, local_rank=1, launcher="ray")
+    assert rank_device(torch.device("cuda", 3), ray_train) == torch.device("cuda", 3)  # Ray's assignment, kept
+    assert rank_device(torch.device("cuda", 2), DistContext()) == torch.device("cuda", 2)  # one process: as asked

@@ -24,7 +24,7 @@ from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokeni
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
 from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, ReadResult, check_data_path, read_inputs
 from pipeline.extract.summary import ExtractSummary
-from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
+from pipeline.ray_session import connect_ray, configure_ray_data, size_actor_pool
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
     if state == "complete":
         return _complete_summary(url, dataset_id, started)
     owned = connect_ray(config.address, config.num_workers)
-    quiet_ray_data()
+    configure_ray_data()
     try:
         tokenize_all(prepared, use_ray=True)
         summary = _base_summary(prepared, dataset_id)

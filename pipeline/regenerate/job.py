@@ -36,7 +36,7 @@ from pipeline.extract.forward import target_fingerprint
 from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
 from pipeline.store import atomic
 from pipeline.store.file_lock import exclusive_lock
-from pipeline.ray_session import connect_ray, quiet_ray_data, size_actor_pool
+from pipeline.ray_session import connect_ray, configure_ray_data, size_actor_pool
 from pipeline.regenerate.generation import Answered, GenerateConfig
 from pipeline.regenerate.prompts import PromptRead, PromptRecord, read_prompts
 
@@ -282,7 +282,7 @@ def _answer_chunks(config: RegenerateConfig, pending: dict[int, list[PromptRecor
     from pipeline.regenerate.generation import ChunkAnswerer
 
     owned = connect_ray(config.address, config.num_workers)
-    quiet_ray_data()
+    configure_ray_data()
     tokens = 0
     try:
         pool = size_actor_pool(items=len(pending), num_workers=config.num_workers,
