@@ -21,7 +21,10 @@ background with nothing else running, e.g.
     nohup python bench/scaling.py --docs > runs/scaling.log 2>&1 &
 
 --docs rewrites the scaling table in docs/benchmarks.md (between its markers) and docs/figures/scaling.png
-after each size, so that the figures can be committed as they come.
+after each size, so that the figures can be committed as they come, and keeps results.json beside the figure
+(docs/figures/scaling-results.json): on a machine without --workdir's results.json the run starts from that copy
+and a size already measured for every drafter and shape is skipped (a larger size still extracts the smaller
+size's store it builds on).
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ RECIPE = ("--batch-tokens", "4096", "--max-length", str(MAX_LENGTH), "--draft-vo
           "--warmup-steps", "20", "--checkpoint-every", "100", "--device", "cpu", "--no-progress")
 SHAPES = ("chain d3", "tree d5 k4 n16")  # eval --chain --depth 3, and eval --tree --depth 5 --top-k 4 --total-tokens 16
 BEGIN, END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
+# --docs keeps results.json beside the figure: a run on a fresh machine resumes from it (measured sizes skipped)
+COMMITTED_RESULTS = ROOT / "docs" / "figures" / "scaling-results.json"
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,12 @@ class Evaluator:
                 "prompts": len(self.items)}
 
 
+def fully_measured(entry: dict | None) -> bool:
+    """Whether a size's results hold every drafter and shape (its training is then not redone)."""
+    return bool(entry) and all(shape in entry["drafters"].get(name, {}).get("shapes", {})
+                               for name in DRAFTERS for shape in SHAPES)
+
+
 def table(results: dict) -> str:
     """The markdown table of every measured size, drafter and shape."""
     rows = ["| size | data | store tokens | drafter | steps | train | τ chain 3 | speedup chain 3 | "
@@ -284,6 +295,7 @@ def figure(results: dict, path: Path) -> None:
 def write_docs(results: dict) -> None:
     """Replace the text between the scaling markers of docs/benchmarks.md, and the figure."""
     figure(results, ROOT / "docs" / "figures" / "scaling.png")
+    COMMITTED_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     doc = ROOT / "docs" / "benchmarks.md"
     text = doc.read_text(encoding="utf-8")
     if BEGIN not in text or END not in text:
@@ -310,6 +322,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     sizes = parse_sizes(args.sizes)
     results_path = work / "results.json"
+    if not results_path.is_file() and COMMITTED_RESULTS.is_file():
+        # a fresh machine: start from the figures committed with the docs, so measured sizes are not rerun
+        log(f"{results_path} is missing: starting from {COMMITTED_RESULTS.relative_to(ROOT)}")
+        results_path.write_text(COMMITTED_RESULTS.read_text())
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"sizes": {}}
     results.update(date=time.strftime("%Y-%m-%d"), machine=machine(), settings={
         "layers": LAYERS,
@@ -320,6 +336,9 @@ def main() -> None:
                 f"{' and '.join(SHAPES)}, plain and speculative side by side"})
     evaluator = None
     for size in sizes:
+        if fully_measured(results["sizes"].get(size.name)):
+            log(f"size {size.name}: every drafter and shape measured already, skipped")
+            continue
         log(f"size {size.name}")
         if size.source == "self":
             stores, description = [work / f"store-{size.name}"], "target's own answers"
