@@ -21,36 +21,10 @@ from pipeline.extract.pipeline import ExtractConfig, run_extract
 from tests.decoding_helpers import write_jsonl
 from tests.local_ray import local_ray
 from tests.tiny import VOCAB_SIZE, build_tokenizer
+from tests.tiny_families import FAMILIES, LLAMA_LIKE, family_model
 
 pytestmark = pytest.mark.slow
 
-LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, max_position_embeddings=512)
-MOE = dict(num_experts_per_tok=2)
-SLIDING = dict(sliding_window=16)  # shorter than the conversations, so the window applies
-# family: (model_type, config overrides, chat template or None for a base model)
-FAMILIES = {
-    "llama": ("llama", LLAMA_LIKE, "chatml_generation"),
-    "mistral": ("mistral", {**LLAMA_LIKE, **SLIDING}, "chatml"),
-    "qwen2": ("qwen2", {**LLAMA_LIKE, "use_sliding_window": True, "max_window_layers": 1, **SLIDING}, "chatml"),
-    "qwen3": ("qwen3", {**LLAMA_LIKE, "head_dim": 16}, "chatml_generation"),
-    "qwen3_moe": ("qwen3_moe", {**LLAMA_LIKE, **MOE, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32},
-                  "chatml"),
-    "mixtral": ("mixtral", {**LLAMA_LIKE, **MOE, "num_local_experts": 4}, "zephyr"),
-    "gemma2": ("gemma2", {**LLAMA_LIKE, **SLIDING, "head_dim": 16,
-                          "layer_types": ["sliding_attention", "full_attention"]}, "chatml"),
-    "gemma3": ("gemma3_text", {**LLAMA_LIKE, **SLIDING, "head_dim": 16,
-                               "layer_types": ["sliding_attention", "full_attention"]}, "chatml"),
-    "phi3": ("phi3", {**LLAMA_LIKE, "sliding_window": None}, "zephyr"),
-    "olmo2": ("olmo2", LLAMA_LIKE, "chatml"),
-    "stablelm": ("stablelm", LLAMA_LIKE, "chatml"),
-    "granite": ("granite", LLAMA_LIKE, "chatml"),
-    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512), None),
-    "gpt_neox": ("gpt_neox", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                                  max_position_embeddings=512), None),
-    "falcon": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-                              new_decoder_architecture=True, max_position_embeddings=512), None),
-}
 CHATS = [{"id": f"c{i}", "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
          for i, (question, answer) in enumerate([
              ("What is the capital of France?", "The capital of France is Paris. Hello, how are you today?"),
@@ -82,12 +56,10 @@ def data(tmp_path_factory):
 
 def build_family(directory, family: str) -> bool:
     """A tiny random model of `family` with the test tokenizer, saved in `directory`; True for a base model."""
-    model_type, overrides, template = FAMILIES[family]
+    template = FAMILIES[family][2]
     tokenizer = build_tokenizer(directory, template=template)
-    config = AutoConfig.for_model(model_type, vocab_size=max(VOCAB_SIZE, len(tokenizer)),
-                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **overrides)
-    AutoModelForCausalLM.from_config(config).eval().save_pretrained(str(directory))
+    family_model(family, max(VOCAB_SIZE, len(tokenizer)), bos_token_id=tokenizer.bos_token_id,
+                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(directory))
     return template is None
 
 

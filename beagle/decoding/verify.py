@@ -10,6 +10,7 @@ and a cache that can be cut back (beagle/decoding/attention_layout.py).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -20,6 +21,7 @@ from transformers.cache_utils import DynamicCache
 
 from beagle.decoding.attention_layout import attention_layout
 from beagle.decoding.tree import DraftTree
+from beagle.layer_capture import LayerCapture
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,14 @@ def run_target(model: torch.nn.Module, cache: DynamicCache, input_ids: torch.Ten
     `last_logits_only` (a prefill, a plain step): only the last position's logits are computed (`[1, V]`), not
     `[L, V]`: for a long prompt and a large vocabulary that is most of the LM head's time and memory."""
     keep = {"logits_to_keep": 1} if last_logits_only and "logits_to_keep" in _forward_parameters(type(model)) else {}
-    outputs = model(input_ids=input_ids[None],
-                    position_ids=None if position_ids is None else position_ids[None],
-                    attention_mask=attention_mask, use_cache=True, output_hidden_states=hidden,
-                    **{_cache_keyword(model): cache}, **keep)
-    states = torch.cat([outputs.hidden_states[layer][0] for layer in layers], dim=-1) if hidden else None
+    capture = LayerCapture(model, layers) if hidden else None  # hooks keep only `layers`, not all n+1
+    with capture or contextlib.nullcontext():
+        outputs = model(input_ids=input_ids[None],
+                        position_ids=None if position_ids is None else position_ids[None],
+                        attention_mask=attention_mask, use_cache=True,
+                        output_hidden_states=capture is not None and capture.output_hidden_states,
+                        **{_cache_keyword(model): cache}, **keep)
+    states = torch.cat([state[0] for state in capture.states(outputs)], dim=-1) if capture else None
     return TargetOutput(logits=outputs.logits[0], hidden=states)
 
 

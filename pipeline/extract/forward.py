@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from beagle.devices import pick_device
+from beagle.layer_capture import LayerCapture, base_model
 from beagle.target_facts import facts_from_config, read_target_facts
 from beagle.target_model import load_causal_lm, weight_files
 from pipeline.store.hashing import update_from_file
@@ -86,8 +87,7 @@ class TargetForward:
         if config.device_map:
             self.device = model.get_input_embeddings().weight.device
         self.model = model
-        base = getattr(model, model.base_model_prefix, None)
-        self.base = base if isinstance(base, torch.nn.Module) else model
+        self.base = base_model(model)
         self.num_layers = facts_from_config(model.config, where=f"--model {config.model_path}").num_hidden_layers
         self.layers = normalize_layers(config.layers, self.num_layers)
         logger.info("loaded %s on %s (%s), capturing layers %s", config.model_path, self.device,
@@ -114,14 +114,13 @@ class TargetForward:
         for row, sequence in enumerate(sequences):
             input_ids[row, :len(sequence)] = torch.as_tensor(np.asarray(sequence, dtype=np.int64))
             attention_mask[row, :len(sequence)] = 1
-        need_all = any(layer != -1 for layer in self.layers)
-        output = self.base(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                           output_hidden_states=need_all, use_cache=False)
-        # Each wanted layer leaves its device on its own (with --device-map they sit on different GPUs) and is
-        # stacked on the host; the other n+1-k layers' states are freed with `output` right after.
-        picked = [(output.last_hidden_state if layer == -1 else output.hidden_states[layer]).to("cpu")
-                  for layer in self.layers]  # n_layers x [B, L, d]
-        del output
+        # Hooks keep only the wanted layers' states (not all n+1 of output_hidden_states); each leaves its
+        # device on its own (with --device-map they sit on different GPUs) and is stacked on the host.
+        with LayerCapture(self.base, self.layers) as capture:
+            output = self.base(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                               output_hidden_states=capture.output_hidden_states, use_cache=False)
+        picked = [state.to("cpu") for state in capture.states(output)]  # n_layers x [B, L, d]
+        del output, capture
         # One layer: a view, no copy. Per-sample slices stay views of the batch until the shard is written.
         stacked = picked[0].unsqueeze(1) if len(picked) == 1 else torch.stack(picked, dim=1)  # [B, n_layers, L, d]
         return [stacked[row, :, :len(sequence)] for row, sequence in enumerate(sequences)]
