@@ -86,6 +86,77 @@ def check_weights_match(model_path: str | Path, hidden_size: int, vocab_size: in
                          f"decoder layers, the config says num_hidden_layers={num_layers}")
 
 
+def read_head_weights(model_path: str | Path, dtype: str,
+                      trust_remote_code: bool = False) -> dict[str, torch.Tensor] | None:
+    """The input embedding and LM head (`[V, d]` each, in `dtype`) read from the safetensors files alone, or
+    None when they cannot be found there (pickle weights, a head that a conversion on load would transform).
+
+    For the rare resume where every shard was committed but the head was not: the driver then needs two
+    tensors, not the whole target on its CPU. Checkpoint names are mapped to the model's as
+    `from_pretrained` maps them (transformers' renamings and base-prefix rule, e.g. GPT-NeoX's `embed_out`
+    -> `lm_head`), against the model built on the meta device (no memory); a tied head saved once is the
+    embedding."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names: dict[int, list[str]] = {}  # a tied head is one parameter under two names, the embedding's first
+    for name, parameter in skeleton.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    roles = {"embed_tokens": skeleton.get_input_embeddings(), "lm_head": skeleton.get_output_embeddings()}
+    wanted: dict[str, list[str]] = {}  # model parameter name -> the roles it plays (both, when tied)
+    for role, module in roles.items():
+        for name in names.get(id(getattr(module, "weight", None)), []):
+            wanted.setdefault(name, []).append(role)
+    to_model_name = _checkpoint_key_mapper(skeleton)
+    located: dict[str, tuple[Path, str]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                for role in wanted.get(to_model_name(key) or "", []):
+                    located.setdefault(role, (path, key))
+    if len(located) < len(roles):
+        log.info("%s: the embedding or LM head is not found by name in its safetensors files", model_path)
+        return None
+    head = {}
+    for role, (path, key) in located.items():
+        with safe_open(str(path), framework="pt") as handle:
+            head[role] = handle.get_tensor(key).to(torch_dtype(dtype))
+    return head if head["lm_head"].shape == head["embed_tokens"].shape else None
+
+
+def _checkpoint_key_mapper(skeleton: torch.nn.Module):
+    """checkpoint key -> the model's parameter name, as `from_pretrained` renames it; None for a key that a
+    weight converter would transform (its tensor is not the parameter as stored)."""
+    meta_names = {name: True for name, _ in skeleton.named_parameters(remove_duplicate=False)}  # .get() must be truthy
+    prefix = skeleton.base_model_prefix
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # another transformers layout: the names as they are, with or without the prefix
+        def plain(key: str) -> str:
+            for name in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
+                if name in meta_names:
+                    return name
+            return key
+        return plain
+    mapping = get_model_conversion_mapping(skeleton)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+
+    def renamed(key: str) -> str | None:
+        name, converted = rename_source_key(key, renamings, converters, prefix, meta_names)
+        if name not in meta_names and key in meta_names:
+            name, converted = rename_source_key(key, [], [], prefix, meta_names)
+        return None if converted is not None else name
+    return renamed
+
+
 def load_causal_lm(model_path: str | Path, *, dtype: str, device: torch.device, trust_remote_code: bool = False,
                    device_map: str | None = None) -> Any:
     """The target, in eval mode, on `device` (or spread by `device_map`, which needs accelerate)."""

@@ -104,6 +104,30 @@ def test_two_workers_store_what_a_direct_forward_computes(ray_address, workspace
     torch.testing.assert_close(store.load_head()["embed_tokens"], model.get_input_embeddings().weight)
 
 
+def test_a_head_lost_after_every_shard_committed_is_read_from_the_weight_files(ray_address, workspace, tmp_path,
+                                                                                 monkeypatch):
+    """The crash between the last shard and the head: the rerun writes the head from two tensors of the
+    safetensors files, without loading the target on the driver, byte for byte what the actors wrote."""
+    import shutil
+
+    first = workspace["root"] / "store"
+    if not (first / "manifest.json").exists():
+        run_extract(_config(workspace, first))
+    out = tmp_path / "store"
+    shutil.copytree(first, out)
+    head = (out / "head.safetensors").read_bytes()
+    for name in ("head.safetensors", "manifest.json"):
+        (out / name).unlink()
+    from pipeline.extract import forward
+
+    def no_target_on_the_driver(*args, **kwargs):
+        raise AssertionError("the driver loaded the whole target to write the head")
+    monkeypatch.setattr(forward.TargetForward, "__init__", no_target_on_the_driver)  # this process only
+    summary = run_extract(_config(workspace, out))
+    assert summary.samples == 11 and verify_store(str(out)).ok
+    assert (out / "head.safetensors").read_bytes() == head
+
+
 def test_an_actor_forwards_the_next_shard_while_it_writes_the_last(ray_address, workspace):
     """Two shards in flight per actor, the forward under a lock: writes overlap the next forward."""
     out = workspace["root"] / "overlapped"

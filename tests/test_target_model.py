@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from beagle import target_model
-from beagle.target_model import load_causal_lm, weight_files
+from beagle.target_model import load_causal_lm, read_head_weights, weight_files
 from tests.tiny import build_target
+from tests.tiny_families import FAMILIES, family_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,3 +104,42 @@ def test_weights_that_do_not_match_the_config_are_refused_by_every_command_befor
         assert f"--model {target}: its weights do not match config.json" in result.output, (command[0], result.output)
         assert re.search(message, result.output), command[0]
         assert "Traceback" not in result.output
+
+
+def _loaded_head(path, dtype: str) -> dict[str, torch.Tensor]:
+    model = load_causal_lm(path, dtype=dtype, device=torch.device("cpu"))
+    return {"embed_tokens": model.get_input_embeddings().weight, "lm_head": model.get_output_embeddings().weight}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_head_read_from_the_files_equals_the_loaded_models(family, tmp_path):
+    torch.manual_seed(0)
+    family_model(family, 96, bos_token_id=1, eos_token_id=1, pad_token_id=0).save_pretrained(str(tmp_path))
+    for dtype in ("float32", "bfloat16"):
+        read, loaded = read_head_weights(tmp_path, dtype), _loaded_head(tmp_path, dtype)
+        assert read is not None, family
+        for role in ("embed_tokens", "lm_head"):
+            assert read[role].dtype == loaded[role].dtype and torch.equal(read[role], loaded[role]), (family, role)
+
+
+def test_a_tied_head_saved_once_and_names_without_the_base_prefix_are_found(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tied = build_target(tmp_path / "tied", tied=True)
+    assert "lm_head.weight" not in load_file(str(Path(tied) / "model.safetensors"))
+    read = read_head_weights(tied, "float32")
+    assert torch.equal(read["lm_head"], _loaded_head(tied, "float32")["lm_head"])
+    assert torch.equal(read["lm_head"], read["embed_tokens"])
+    # GPT-2 checkpoints from the original conversion name the weights without "transformer."
+    gpt2 = tmp_path / "gpt2"
+    family_model("gpt2", 96, bos_token_id=1, eos_token_id=1, pad_token_id=0).save_pretrained(str(gpt2))
+    weights = load_file(str(gpt2 / "model.safetensors"))
+    save_file({k.removeprefix("transformer."): v for k, v in weights.items()}, str(gpt2 / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert torch.equal(read_head_weights(gpt2, "float32")["embed_tokens"], weights["transformer.wte.weight"])
+
+
+def test_a_head_not_in_safetensors_files_is_left_to_a_full_load(tmp_path):
+    target = build_target(tmp_path / "target")
+    (Path(target) / "model.safetensors").rename(Path(target) / "renamed.bin")
+    assert read_head_weights(target, "float32") is None

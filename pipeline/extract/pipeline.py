@@ -306,6 +306,20 @@ def _plan_shards(prepared: Prepared, url: str) -> tuple[dict[int, list[dict]], d
     return shards, done
 
 
+def _head_from_files(config: ExtractConfig, prepared: Prepared) -> dict:
+    """The embedding and LM head for the store, read from the weight files (two tensors); only where they
+    cannot be found by name there is the whole target loaded on the driver's CPU for them."""
+    from beagle.target_model import read_head_weights
+
+    head = read_head_weights(config.model_path, config.dtype, trust_remote_code=config.trust_remote_code)
+    if head is not None:
+        return head
+    from pipeline.extract.forward import TargetForward
+    logger.info("loading %s on the driver's CPU to write the store's head", config.model_path)
+    return TargetForward(ForwardConfig(config.model_path, tuple(prepared.layers), config.dtype, device="cpu",
+                                       trust_remote_code=config.trust_remote_code)).head()
+
+
 def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str, dict],
                   summary: ExtractSummary, shards: list[dict]) -> None:
     """Write what the shards do not hold (the head, the rejects), then the manifest that makes it a store."""
@@ -316,9 +330,7 @@ def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str
     config = prepared.config
     fs, root = fmt.open_fs(url)
     if not fs.exists(fmt.join(root, fmt.HEAD)):  # every shard was committed before a crash
-        from pipeline.extract.forward import TargetForward
-        write_head(url, **TargetForward(ForwardConfig(config.model_path, tuple(prepared.layers),
-                                                      config.dtype, device="cpu")).head())
+        write_head(url, **_head_from_files(config, prepared))
     rejects = _sorted_rejects(prepared)
     if rejects:
         write_rejects(url, rejects)
