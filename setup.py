@@ -16,6 +16,7 @@ setup(
         "datasets>=2.20",
         "pyarrow>=15",
         "zarr>=3.0,<4",
+        "google-crc32c>=1.5",  # zarr's own crc32c; the raw shard writer computes the same index checksum
         "numpy>=1.26",
         "fsspec>=2024.2",
         "ray[data]>=2.30",

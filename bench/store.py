@@ -5,10 +5,15 @@ Prints, measured in one run, for each hidden width:
   write MB/s (hidden-state bytes / wall time of write_store)
   training read path bytes/s / numpy memcpy bytes/s of the same bytes (page-cached local data)
 
+P8 (--p8): one shard's `write_shard` bytes/s ÷ a raw fsync'd write of the same hidden-state bytes to the same
+filesystem, best of 3 each, alternated, on --workdir's disk and on /dev/shm (tmpfs), at each width. The shard
+keeps every guarantee (atomic commit, sha256 of every file, fsync), the raw write none.
+
 The read path is what the trainer does: `store[i]` for every sample in a shuffled order, touching every
 byte of the returned hidden states (a sum), so that a lazy view cannot look free.
 
     python bench/store.py [--tokens 400000] [--widths 576,4096]
+    python bench/store.py --p8 [--shard-tokens 65536] [--json p8.json]
 """
 from __future__ import annotations
 
@@ -90,13 +95,92 @@ def run(width: int, num_tokens: int, workdir: str) -> dict:
             "read_gb_s": read_rate / 1e9, "memcpy_gb_s": copy_rate / 1e9, "read_ratio": read_rate / copy_rate}
 
 
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem `path` lives on (longest mount point that prefixes it), e.g. ext4, tmpfs."""
+    best, kind = "", "?"
+    with open("/proc/mounts", encoding="utf-8") as mounts:
+        for line in mounts:
+            _, point, fstype = line.split()[:3]
+            if os.path.realpath(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+                best, kind = point, fstype
+    return kind
+
+
+def shard_samples(num_tokens: int, width: int, seed: int = 0) -> list[dict]:
+    """Samples in storage form (bf16 as uint16 bits, numpy), ~`num_tokens` tokens: what `write_shard` takes."""
+    rng = np.random.default_rng(seed)
+    samples, total = [], 0
+    while total < num_tokens:
+        length = int(rng.integers(128, 2048))
+        samples.append({"sample_id": f"s{len(samples)}", "input_ids": rng.integers(0, 49152, length),
+                        "loss_mask": np.ones(length, dtype=np.uint8),
+                        "hidden_states": rng.integers(0, 1 << 16, (1, length, width), dtype=np.uint16)})
+        total += length
+    return samples
+
+
+def p8(width: int, num_tokens: int, directory: str, repeats: int = 3) -> dict:
+    """write_shard ÷ raw fsync'd write of the same bytes, on `directory`'s filesystem."""
+    from pipeline.store.writer import write_shard
+
+    samples = shard_samples(num_tokens, width)
+    nbytes = sum(s["hidden_states"].nbytes for s in samples)
+    os.makedirs(directory, exist_ok=True)
+    raw_best = shard_best = float("inf")
+    for attempt in range(repeats):
+        path = os.path.join(directory, f"raw-{attempt}.bin")
+        start = time.perf_counter()
+        with open(path, "wb") as handle:
+            for sample in samples:
+                handle.write(memoryview(sample["hidden_states"]).cast("B"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        raw_best = min(raw_best, time.perf_counter() - start)
+        os.unlink(path)
+        url = os.path.join(directory, f"store-{attempt}")
+        os.makedirs(os.path.join(url, "shards"), exist_ok=True)
+        start = time.perf_counter()
+        write_shard(url, 0, samples, layers=[-1], dtype="bfloat16")
+        shard_best = min(shard_best, time.perf_counter() - start)
+        shutil.rmtree(url)
+    return {"width": width, "tokens": sum(len(s["input_ids"]) for s in samples), "gb": nbytes / 1e9,
+            "filesystem": filesystem_type(directory), "raw_gb_s": nbytes / raw_best / 1e9,
+            "shard_gb_s": nbytes / shard_best / 1e9, "ratio": raw_best / shard_best}
+
+
+def main_p8(args: argparse.Namespace, workdir: str) -> None:
+    import json
+
+    directories = [workdir] + (["/dev/shm/bench-store-p8"] if os.path.isdir("/dev/shm") else [])
+    print(f"{'filesystem':>10} {'d':>6} {'tokens':>8} {'GB':>6} {'raw GB/s':>9} {'shard GB/s':>11} {'ratio':>6}")
+    results = []
+    for directory in directories:
+        for width in (int(w) for w in args.widths.split(",")):
+            r = p8(width, args.shard_tokens if width > 1024 else args.shard_tokens * 4, directory)
+            results.append(r)
+            print(f"{r['filesystem']:>10} {r['width']:>6} {r['tokens']:>8} {r['gb']:>6.2f} {r['raw_gb_s']:>9.2f} "
+                  f"{r['shard_gb_s']:>11.2f} {r['ratio']:>6.2f}", flush=True)
+        if directory.startswith("/dev/shm"):
+            shutil.rmtree(directory, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200_000, help="tokens per store (default 200k)")
     parser.add_argument("--widths", default="576,4096", help="comma-separated hidden sizes")
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--p8", action="store_true", help="measure P8 (shard write ÷ raw write) instead")
+    parser.add_argument("--shard-tokens", type=int, default=65_536,
+                        help="P8: tokens of the d=4096 shard (4x that at smaller widths)")
+    parser.add_argument("--json", default=None, help="P8: write the figures here")
     args = parser.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench-store-")
+    if args.p8:
+        main_p8(args, workdir)
+        return
     print(f"{'d':>6} {'tokens':>9} {'bytes/raw':>10} {'write MB/s':>11} {'read GB/s':>10} "
           f"{'memcpy GB/s':>12} {'read/memcpy':>12}")
     for width in (int(w) for w in args.widths.split(",")):

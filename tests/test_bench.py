@@ -83,3 +83,18 @@ def test_the_gpu_check_dry_run_prints_every_measurement_on_cpu():
         assert measurement in done.stdout, (measurement, done.stdout)
     no_gpu = subprocess.run([sys.executable, "bench/gpu.py"], cwd=root, capture_output=True, text=True, timeout=120)
     assert no_gpu.returncode == 2 and "no CUDA GPU here" in no_gpu.stderr
+
+
+def test_p8_writes_the_shard_it_times_and_names_the_filesystem(tmp_path):
+    """bench/store.py --p8 at toy size: the shard it times is a real one (verified), the raw file the same
+    bytes; no timing is asserted."""
+    from bench.store import filesystem_type, p8, shard_samples
+
+    result = p8(64, 512, str(tmp_path), repeats=1)
+    assert result["tokens"] >= 512 and result["ratio"] > 0 and result["filesystem"] == filesystem_type(str(tmp_path))
+    assert not list(tmp_path.iterdir())  # the timed shard and raw file are removed
+    from pipeline.store.writer import write_shard
+    samples = shard_samples(512, 64)
+    (tmp_path / "s" / "shards").mkdir(parents=True)
+    info = write_shard(str(tmp_path / "s"), 0, samples, layers=[-1], dtype="bfloat16")
+    assert info["tokens"] == sum(len(s["input_ids"]) for s in samples)

@@ -24,7 +24,7 @@ from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
 from pipeline.store.file_lock import exclusive_lock
 from pipeline.store.object_lock import object_store_lock
-from pipeline.store.zarr_io import write_hidden_array, write_scale_array, zarr_store
+from pipeline.store.zarr_io import write_hidden_array, write_raw_hidden_array, write_scale_array, zarr_store
 
 log = logging.getLogger(__name__)
 
@@ -154,23 +154,28 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
         fs.rm(final_dir, recursive=True)  # a partial shard from a crash: no shard.json, so never read
     fs.makedirs(build_dir, exist_ok=True)
 
-    table, hidden_by_layer, counts = _encode_samples(samples, layers=layers, dtype=dtype, where=name)
+    table, parts_by_layer, scales_by_layer, counts = _encode_samples(samples, layers=layers, dtype=dtype,
+                                                                     where=name)
     with fs.open(fmt.join(build_dir, fmt.SAMPLES_FILE), "wb") as handle:
         with pa.ipc.new_stream(handle, table.schema) as writer:  # stream format: what `datasets` reads
             writer.write_table(table)
     store = zarr_store(fs, build_dir, read_only=False)
-    for layer, values in zip(layers, hidden_by_layer):
-        if dtype in fmt.LOSSY_DTYPES:
-            values, scales = values
-            write_scale_array(store, fmt.scale_array_name(layer), scales, layer=layer)
-        write_hidden_array(store, fmt.hidden_array_name(layer), values, logical_dtype=dtype, layer=layer,
-                           compression=compression)
+    hashed: dict[str, tuple[str, int]] = {}  # files hashed while written: not read back
+    for index, (layer, parts) in enumerate(zip(layers, parts_by_layer)):
+        if scales_by_layer:
+            write_scale_array(store, fmt.scale_array_name(layer), scales_by_layer[index], layer=layer)
+        if local and compression in (None, "none"):
+            hashed.update(write_raw_hidden_array(store, build_dir, fmt.hidden_array_name(layer), parts,
+                                                 logical_dtype=dtype, layer=layer))
+        else:
+            write_hidden_array(store, fmt.hidden_array_name(layer), np.concatenate(parts, axis=0),
+                               logical_dtype=dtype, layer=layer, compression=compression)
 
     files = {}
     for path in sorted(fs.find(build_dir)):
         relative = path[len(build_dir.rstrip("/")) + 1:]
-        files[f"{fmt.SHARDS_DIR}/{name}/{relative}"] = {"sha256": fmt.sha256_file(fs, path),
-                                                        "bytes": fs.size(path)}
+        sha256, size = hashed.get(relative) or (fmt.sha256_file(fs, path), fs.size(path))
+        files[f"{fmt.SHARDS_DIR}/{name}/{relative}"] = {"sha256": sha256, "bytes": size}
     info = {"name": name, "index": shard_index, **counts, "bytes": sum(f["bytes"] for f in files.values()),
             "files": files}
     atomic.write_bytes(fmt.join(build_dir, fmt.SHARD_INFO), fmt.canonical_json(info), fs=fs)
@@ -182,8 +187,10 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
 
 
 def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtype: str,
-                    where: str) -> tuple[pa.Table, list[np.ndarray], dict]:
-    """Validate samples and lay them out: one Arrow table and one [tokens, d] array per layer."""
+                    where: str) -> tuple[pa.Table, list[list[np.ndarray]], list[np.ndarray], dict]:
+    """Validate samples and lay them out: one Arrow table; per layer, the samples' [L_i, d] rows in order
+    (left unconcatenated: the raw writer streams them, saving a copy of the shard), and for fp8 the per-token
+    scales of each layer [tokens] (empty otherwise)."""
     ids, lengths, offsets, input_ids, loss_masks, hidden, scales = [], [], [], [], [], [], []
     offset = 0
     width = None
@@ -222,12 +229,11 @@ def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtyp
         _list_array(input_ids, pa.int32()),
         _list_array(loss_masks, pa.uint8()),
     ], schema=SAMPLES_SCHEMA)
-    per_layer: list[Any] = [np.concatenate([states[i] for states in hidden], axis=0) for i in range(len(layers))]
-    if dtype in fmt.LOSSY_DTYPES:
-        per_layer = [(codes, np.concatenate([s[i] for s in scales])) for i, codes in enumerate(per_layer)]
+    parts = [[states[i] for states in hidden] for i in range(len(layers))]
+    layer_scales = [np.concatenate([s[i] for s in scales]) for i in range(len(layers))] if scales else []
     counts = {"samples": len(ids), "tokens": int(offset),
               "loss_tokens": int(sum(int(m.sum()) for m in loss_masks)), "hidden_size": int(width)}
-    return table, per_layer, counts
+    return table, parts, layer_scales, counts
 
 
 def _list_array(parts: list[np.ndarray], value_type: pa.DataType) -> pa.ListArray:

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import fsspec
 import numpy as np
@@ -62,10 +62,61 @@ def write_hidden_array(store: Any, name: str, values: np.ndarray, *, logical_dty
         store=store, name=name, shape=(num_tokens, hidden), dtype=values.dtype,
         chunks=(rows, hidden), shards=(shard_rows, hidden), compressors=compressors, fill_value=0,
         config={"write_empty_chunks": True},
-        attributes={"logical_dtype": logical_dtype, "layer": layer,
-                    "encoding": "uint16 bit pattern of bfloat16" if logical_dtype == "bfloat16" else "native"},
+        attributes=_hidden_attributes(logical_dtype, layer),
         dimension_names=("token", "hidden"))
     array[:] = values
+
+
+def write_raw_hidden_array(store: Any, directory: str, name: str, parts: Sequence[np.ndarray], *,
+                           logical_dtype: str, layer: int,
+                           chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> dict[str, tuple[str, int]]:
+    """`write_hidden_array` without compression on a local disk, at disk speed: the same files, byte for byte.
+
+    `parts`: the samples' `[L_i, hidden]` rows of this layer, in order (not concatenated: no copy). zarr
+    writes the metadata; the shard file (raw inner chunks back to back, zero padding of the last chunk, the
+    chunk index and its crc32c: what `map_hidden_array` maps) is written here while a second thread hashes
+    the same buffers, instead of zarr's async encode and a read-back to hash (0.8 s + 0.2 s per 0.27 GB).
+    Returns {path relative to `directory`: (sha256 hex, bytes)} for the shard file."""
+    import google_crc32c
+
+    num_tokens = sum(int(part.shape[0]) for part in parts)
+    hidden, dtype = int(parts[0].shape[1]), np.dtype(parts[0].dtype).newbyteorder("<")
+    rows = chunk_rows(num_tokens, chunk_tokens)
+    num_chunks = max(1, math.ceil(num_tokens / rows))
+    zarr.create_array(
+        store=store, name=name, shape=(num_tokens, hidden), dtype=dtype, chunks=(rows, hidden),
+        shards=(rows * num_chunks, hidden), compressors=None, fill_value=0, config={"write_empty_chunks": True},
+        attributes=_hidden_attributes(logical_dtype, layer), dimension_names=("token", "hidden"))
+    chunk_bytes = rows * hidden * dtype.itemsize
+    index = np.stack([np.arange(num_chunks, dtype="<u8") * chunk_bytes,
+                      np.full(num_chunks, chunk_bytes, dtype="<u8")], axis=1).tobytes()
+    tail = [bytes((rows * num_chunks - num_tokens) * hidden * dtype.itemsize), index,
+            np.uint32(google_crc32c.value(index)).astype("<u4").tobytes()]
+    relative = f"{name}/c/0/0"
+    path = os.path.join(directory, *relative.split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    buffers = [memoryview(np.ascontiguousarray(part, dtype=dtype)).cast("B") for part in parts] + tail
+    return {relative: write_hashed(path, buffers)}
+
+
+def write_hashed(path: str, buffers: Sequence[Any]) -> tuple[str, int]:
+    """Write `buffers` to `path` in order while one other thread feeds them to sha256 (both release the GIL
+    on large buffers, so on two cores hashing costs no wall time); (sha256 hex, bytes). Not fsynced: the
+    shard's commit fsyncs its whole directory."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-hash") as hasher, open(path, "wb") as handle:
+        for buffer in buffers:
+            hasher.submit(digest.update, buffer)  # one worker: updates run in submission order
+            handle.write(buffer)
+    return digest.hexdigest(), sum(memoryview(buffer).nbytes for buffer in buffers)
+
+
+def _hidden_attributes(logical_dtype: str, layer: int) -> dict:
+    return {"logical_dtype": logical_dtype, "layer": layer,
+            "encoding": "uint16 bit pattern of bfloat16" if logical_dtype == "bfloat16" else "native"}
 
 
 def write_scale_array(store: Any, name: str, scales: np.ndarray, *, layer: int) -> None:
