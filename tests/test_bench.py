@@ -98,3 +98,27 @@ def test_p8_writes_the_shard_it_times_and_names_the_filesystem(tmp_path):
     (tmp_path / "s" / "shards").mkdir(parents=True)
     info = write_shard(str(tmp_path / "s"), 0, samples, layers=[-1], dtype="bfloat16")
     assert info["tokens"] == sum(len(s["input_ids"]) for s in samples)
+
+
+@pytest.mark.slow
+def test_the_extraction_ceiling_runs_the_real_path_with_a_random_state_forward(tmp_path):
+    """bench/extract_ceiling.py at toy size, in its own process (its Ray hook patches the forward there):
+    every token is extracted and the rates are reported; no timing is asserted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ceiling.json"
+    done = subprocess.run([sys.executable, "bench/extract_ceiling.py", "--tokens", "3000", "--width", "64",
+                           "--layers", "1,2", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert [r["layers"] for r in results] == [1, 2]
+    for r in results:
+        assert r["tokens"] >= 3000 and r["actors"] == 1 and r["actor_tokens_per_s"] > 0
+        assert r["state_gb"] == pytest.approx(r["tokens"] * r["layers"] * 64 * 2 / 1e9)

@@ -144,6 +144,8 @@ def test_write_overlap_is_measured_per_actor():
     # actor 1: shard 1 written over [1, 3] while shard 2 forwards over [1, 2.5] -> 1.5; shard 2 written over
     # [2.5, 4] while shard 3 forwards over [2.5, 3] -> 0.5; actor 2 alone -> 0
     assert write_overlap_seconds(spans) == pytest.approx(2.0)
+    from pipeline.extract.pipeline import actor_busy_seconds
+    assert actor_busy_seconds(spans) == pytest.approx((5.0 - 0.0) + (2.0 - 0.0))  # actor 1 [0, 5], actor 2 [0, 2]
 
 
 def test_reruns_are_deterministic_and_other_settings_are_refused(ray_address, workspace):

@@ -348,6 +348,7 @@ def _add_run_facts(summary: ExtractSummary, prepared: Prepared, url: str, starte
     summary.nodes = len(set(prepared.actor_nodes.values()))
     summary.actor_seconds, summary.actor_forward_seconds = prepared.actor_seconds, prepared.actor_forward_seconds
     summary.write_overlap_seconds = write_overlap_seconds(prepared.actor_spans)
+    summary.actor_busy_seconds = actor_busy_seconds(prepared.actor_spans)
     summary.store_bytes, summary.head_bytes = _store_bytes(url), _head_bytes(url)
     summary.seconds = time.perf_counter() - started
 
@@ -361,6 +362,16 @@ def write_overlap_seconds(spans: list[tuple[int, float, float, float]]) -> float
         for (_, written_from, written_to), (next_start, next_end, _) in zip(mine, mine[1:]):
             hidden += max(0.0, min(written_to, next_end) - max(written_from, next_start))
     return hidden
+
+
+def actor_busy_seconds(spans: list[tuple[int, float, float, float]]) -> float:
+    """Each actor's wall time from its first forward to its last commit, summed over actors: the time the
+    actors spent on shards, without their start (process, model load) or the driver's own work."""
+    busy = 0.0
+    for pid in {span[0] for span in spans}:
+        mine = [span for span in spans if span[0] == pid]
+        busy += max(span[3] for span in mine) - min(span[1] for span in mine)
+    return busy
 
 
 def _store_bytes(url: str) -> int:

@@ -25,6 +25,7 @@ class ExtractSummary:
     actor_seconds: float = 0.0  # busy time of the actors, summed over shards (forward + write)
     actor_forward_seconds: float = 0.0  # of which the forward alone
     write_overlap_seconds: float = 0.0  # shard writes that ran while the same actor forwarded the next shard
+    actor_busy_seconds: float = 0.0  # per actor, first forward to last commit, summed over actors
     state: str = "new"  # new | resume | complete (nothing left to do)
     dry_run: bool = False
 

@@ -1,0 +1,145 @@
+"""The extraction ceiling (not a test): the rate above which GPUs would wait on us.
+
+The real extraction path (`run_extract`: Ray Data tokenize tasks, the ShardExtractor actor with its two
+overlapping shard threads, storage conversion, `write_shard` with its hashes and fsyncs, the manifest) runs
+with the target's forward replaced, inside the Ray workers, by a producer of random states of the real shape
+and dtype at unlimited rate (slices of one buffer drawn at start). What is left is everything we add around
+a forward. Prints, per number of captured layers, the tokens/s and GB/s of states of one actor from its first
+forward to its last commit, the whole job's rate (actor start and driver work included), and the ratio to
+what one H100 needs: an 8B target prefills ~30k tokens/s, ~0.25 GB/s of bf16 states per layer at d = 4096.
+
+    python bench/extract_ceiling.py [--tokens 131072] [--width 4096] [--layers 1,4] [--workers 1] [--json F]
+
+The target folder is a real Llama config of width `--width` with `max(layers)` tiny layers (1 head of 8,
+MLP of 8): the driver reads and hashes it as it would any target; the actors never run it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine  # noqa: E402
+
+H100_TOKENS_PER_SECOND = 30_000  # an 8B target's prefill on one H100, order of magnitude (issue 16)
+
+
+def unlimited_forward() -> None:
+    """Ray worker setup hook: TargetForward no longer loads or runs the target; each sequence's states are a
+    slice of one random bf16 buffer [n_layers, max_length, d] drawn once per actor."""
+    import torch
+
+    from pipeline.extract import forward
+
+    def init(self, config):
+        self.config, self.device = config, torch.device("cpu")
+        architecture = json.loads((Path(config.model_path) / "config.json").read_text())
+        self.num_layers = architecture["num_hidden_layers"]
+        self.layers = forward.normalize_layers(config.layers, self.num_layers)
+        width, vocab = architecture["hidden_size"], architecture["vocab_size"]
+        generator = torch.Generator().manual_seed(0)
+        self._states = torch.randn(len(self.layers), 4096, width, generator=generator).to(torch.bfloat16)
+        self._head = torch.randn(vocab, width, generator=generator).to(torch.bfloat16)
+
+    def forward_batch(self, sequences):
+        return [self._states[:, :len(sequence)] for sequence in sequences]  # n x [n_layers, L, d], no copy
+
+    forward.TargetForward.__init__ = init
+    forward.TargetForward.forward_batch = forward_batch
+    forward.TargetForward.head = lambda self: {"embed_tokens": self._head, "lm_head": self._head}
+
+
+def build_target(directory: Path, width: int, layers: int) -> Path:
+    """A real, tiny-compute Llama of hidden size `width` (what the driver reads: config, tokenizer, weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny import VOCAB_SIZE, build_tokenizer
+
+    tokenizer = build_tokenizer(directory, template=None)
+    config = LlamaConfig(vocab_size=max(VOCAB_SIZE, len(tokenizer)), hidden_size=width, num_hidden_layers=layers,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=8, intermediate_size=8,
+                         max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(str(directory))
+    return directory
+
+
+def write_texts(path: Path, tokens: int, tokens_per_record: int = 1500) -> Path:
+    """Base-model records of ~`tokens_per_record` tokens each (the test tokenizer: ~1 token per 2-3 bytes)."""
+    words = "the quick brown fox jumps over the lazy dog hello how are you today numbers 0123456789".split()
+    with open(path, "w", encoding="utf-8") as handle:
+        for index in range(max(1, tokens // tokens_per_record)):
+            text = " ".join(words[(index + k) % len(words)] for k in range(tokens_per_record * 2 // 3))
+            handle.write(json.dumps({"id": f"t{index}", "text": text}) + "\n")
+    return path
+
+
+def measure(target: Path, data: Path, out: Path, layers: tuple[int, ...], workers: int, width: int) -> dict:
+    from pipeline.extract.pipeline import ExtractConfig, run_extract
+
+    summary = run_extract(ExtractConfig(model_path=str(target), data=(str(data),), out=str(out), layers=layers,
+                                        dtype="bfloat16", max_length=2048, samples_per_shard=16,
+                                        num_workers=workers))
+    state_bytes = summary.forward_tokens * len(layers) * width * 2
+    per_actor = summary.actor_busy_seconds / max(summary.actors, 1)
+    need = H100_TOKENS_PER_SECOND * len(layers) * width * 2
+    result = {"layers": len(layers), "width": width, "tokens": summary.forward_tokens, "shards": summary.shards,
+              "actors": summary.actors, "state_gb": state_bytes / 1e9,
+              "actor_tokens_per_s": summary.forward_tokens / summary.actor_busy_seconds / summary.actors,
+              "actor_gb_per_s": state_bytes / summary.actor_busy_seconds / summary.actors / 1e9,
+              "job_tokens_per_s": summary.tokens_per_second, "actor_seconds": per_actor,
+              "write_overlap_seconds": summary.write_overlap_seconds}
+    result["h100_ratio"] = result["actor_gb_per_s"] * 1e9 / need
+    shutil.rmtree(out)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=131_072, help="tokens extracted per measurement")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", default="1,4", help="numbers of captured layers to measure")
+    parser.add_argument("--workers", type=int, default=1, help="forward actors")
+    parser.add_argument("--workdir", default=None, help="where the stores go (default: a temp dir on disk)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import ray
+
+    from pipeline.extract.forward import ForwardConfig  # noqa: F401 - the hook patches this module
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-ceiling-"))
+    work.mkdir(parents=True, exist_ok=True)
+    counts = [int(n) for n in args.layers.split(",")]
+    target = build_target(work / "target", args.width, max(counts))
+    data = write_texts(work / "texts.jsonl", args.tokens)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + 1), include_dashboard=False,
+             log_to_driver=False, runtime_env={"worker_process_setup_hook": unlimited_forward})
+    print(f"{machine()}; d = {args.width}, bf16, {args.workers} actor(s); the forward is a random-state producer")
+    print(f"{'layers':>6} {'tokens':>8} {'GB':>6} {'actor tok/s':>12} {'actor GB/s':>11} {'job tok/s':>10} "
+          f"{'÷ H100 need':>12}")
+    results = []
+    try:
+        for count in counts:
+            layers = tuple(range(1, count)) + (-1,)  # count layers: the first count-1 and the last
+            r = measure(target, data, work / f"store-{count}", layers, args.workers, args.width)
+            results.append(r)
+            print(f"{r['layers']:>6} {r['tokens']:>8} {r['state_gb']:>6.2f} {r['actor_tokens_per_s']:>12,.0f} "
+                  f"{r['actor_gb_per_s']:>11.2f} {r['job_tokens_per_s']:>10,.0f} {r['h100_ratio']:>12.2f}",
+                  flush=True)
+    finally:
+        ray.shutdown()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
