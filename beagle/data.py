@@ -52,12 +52,21 @@ class Batch:
         return self.key_states
 
     def noise(self, generator: torch.Generator | None, draw: Any = torch.randn) -> Tensor:
-        """[B, L, d] noise drawn for the whole global batch, keeping this micro-batch's rows: every rank
-        advances the generator alike and each row gets the noise a single-process run gives it."""
+        """[B, L, d] noise for this micro-batch's rows.
+
+        Drawn row by row over the whole global batch, in order, keeping this micro-batch's rows: every rank
+        advances the generator alike and each row gets the noise a one-process run gives it. Rows of other
+        ranks are drawn into one scratch row, so a rank holds its own rows plus one, not the global batch
+        (W times its micro-batch under W-way data parallelism)."""
         B, L, d = self.hidden.shape
         rows = B if self.global_rows is None else self.global_rows
-        full = draw((rows, L, d), generator=generator, device=self.hidden.device, dtype=self.hidden.dtype)
-        return full[self.row_start:self.row_start + B]                          # [B, L, d]
+        options = {"device": self.hidden.device, "dtype": self.hidden.dtype}
+        kept = torch.empty(B, L, d, **options)                                   # [B, L, d]
+        scratch = torch.empty(L, d, **options) if rows > B else None            # [L, d], other ranks' rows
+        for row in range(rows):
+            mine = self.row_start <= row < self.row_start + B
+            draw((L, d), generator=generator, out=kept[row - self.row_start] if mine else scratch, **options)
+        return kept
 
     @property
     def tokens(self) -> int:

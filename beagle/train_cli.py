@@ -15,6 +15,9 @@ RUN_OPTIONS = ("stores", "run_dir", "config_file", "resume", "progress", "cache_
 
 def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
     """Defaults, then --config FILE, then the flags given; a bad value is a usage error naming it."""
+    if flags.get("batch_tokens") is not None and flags.get("rank_batch_tokens") is not None:
+        raise click.UsageError("--batch-tokens and --rank-batch-tokens both given; pass one (the global "
+                               "batch, or each rank's)")
     try:
         base = load_config_file(config_file) if config_file else TrainConfig()
         return base.override(**flags)
@@ -36,7 +39,11 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
 @click.option("--max-steps", type=int, help="Stop after this many optimizer steps in total.")
 @click.option("--window-size", type=int, help="Window size k. [5]")
 @click.option("--simulation-steps", type=int, help="Stage-2 depths s <= k. [4]")
-@click.option("--batch-tokens", type=int, help="Padded tokens per batch. [4096]")
+@click.option("--batch-tokens", type=int, help="Padded tokens per batch; under data parallelism the global "
+                                               "batch, split over the ranks. [4096]")
+@click.option("--rank-batch-tokens", type=int,
+              help="Instead of --batch-tokens: padded tokens per data-parallel rank (the global batch is this "
+                   "times the number of ranks; samples default to this length).")
 @click.option("--max-length", type=int, help="Truncate samples to this many tokens. [batch-tokens]")
 @click.option("--lr", type=float, help="Peak learning rate. [3e-5]")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps. [2000]")

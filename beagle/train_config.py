@@ -32,6 +32,7 @@ class TrainConfig:
     fuse_layers: bool = False             # keys from a fusion of every layer the stores captured (EAGLE-3 style)
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length), the global batch under DDP
+    rank_batch_tokens: int | None = None  # instead: tokens per data-parallel rank; global = this x world size
     min_batch_rows: int = 1               # samples per batch at least; raised to the data-parallel world size
     max_length: int | None = None         # truncate samples; default batch_tokens
     lr: float = 3e-5
@@ -58,6 +59,7 @@ class TrainConfig:
             (self.stage1_epochs + self.stage2_epochs > 0, "stage1_epochs + stage2_epochs must be > 0"),
             (self.max_steps is None or self.max_steps > 0, "max_steps must be > 0"),
             (self.batch_tokens >= 2, "batch_tokens must be >= 2"),
+            (self.rank_batch_tokens is None or self.rank_batch_tokens >= 2, "rank_batch_tokens must be >= 2"),
             (self.min_batch_rows >= 1, "min_batch_rows must be >= 1"),
             (self.max_length is None or self.max_length >= 2, "max_length must be >= 2"),
             (self.lr > 0, "lr must be > 0"),
@@ -71,6 +73,16 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid training config: {message}")
+
+    def for_world_size(self, world_size: int) -> "TrainConfig":
+        """The settings a run of `world_size` data-parallel ranks trains with. With `rank_batch_tokens` the
+        global batch grows with the ranks (rank_batch_tokens x world_size), so each GPU gets the same budget
+        whatever their number, and samples default to one rank's budget (a longer one would overfill its
+        rank). The run config records the result; a resume with another world size is then refused."""
+        if self.rank_batch_tokens is None:
+            return self
+        return replace(self, batch_tokens=self.rank_batch_tokens * world_size,
+                       max_length=self.max_length or self.rank_batch_tokens)
 
     @property
     def sequence_limit(self) -> int:

@@ -133,7 +133,8 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
     data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store, fuse_layers=config.fuse_layers,
                     verify_share=(ctx.rank, ctx.world_size))
     checkpoint = latest_checkpoint(run_dir) if resume else None
-    config = _check_run_dir(run_dir, config, data, resume=resume, checkpoint=checkpoint)
+    config = _check_run_dir(run_dir, config.for_world_size(ctx.world_size), data, resume=resume,
+                            checkpoint=checkpoint)
     distributed.barrier(ctx)  # every rank has checked run_dir before rank 0 writes into it
     device = distributed.rank_device(pick_device(config.device), ctx)
     dtype = training_dtype(device, config.bf16)

@@ -74,16 +74,23 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def _assert_same_run(single: Path, multi: Path) -> None:
+    """Two ranks sum their halves where one process sums the whole batch: fp32 sums in another order differ in
+    the 7th digit. Adam divides each update by the gradient's own scale, so where a gradient is near zero that
+    can flip an update's sign: after 4 steps a few elements (~0.2% on this CPU) differ by up to a third of a
+    step (1e-3 at lr 3e-3), the rest by ~1e-5 on average. Wrong rows, noise or averaging move most elements by
+    a step's worth, so the test bounds the mean difference and the share of elements that differ."""
     a, b = _weights(single), _weights(multi)
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.allclose(a[name], b[name], atol=1e-5, rtol=0), (name, float((a[name] - b[name]).abs().max()))
+        difference = (a[name] - b[name]).abs()
+        assert difference.mean() < 5e-5 and (difference > 3e-4).float().mean() < 0.01, \
+            (name, float(difference.mean()), float((difference > 3e-4).float().mean()))
     ma, mb = _metrics(single), _metrics(multi)
     assert len(ma) == len(mb) == STEPS  # only rank 0 logged
     assert [m["stage"] for m in mb] == [1, 1, 2, 2]
     for x, y in zip(ma, mb):
         assert x["tokens"] == y["tokens"] and x["rows"] == y["rows"]
-        assert abs(x["loss"] - y["loss"]) < 1e-5 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-5
+        assert abs(x["loss"] - y["loss"]) < 1e-4 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-3 * x["grad_norm"]
     # training moved the weights: a run that did nothing could not pass
     assert any(not torch.allclose(a[n], torch.zeros_like(a[n])) for n in a)
 
@@ -105,7 +112,9 @@ def test_torchrun_two_gloo_ranks_match_one_process(store, single_run, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(_free_port()), "-m", "beagle.train_cli", "--store", store, "--out", str(run),
-         "--config", str(config), "--no-progress"],
+         "--config", str(config), "--no-progress",
+         # each rank's budget: 2 ranks x 80 = the one-process run's 160-token batches, samples up to 160
+         "--rank-batch-tokens", "80", "--max-length", "160"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count(f"trained {STEPS} steps") == 2  # both ranks finished the same number of steps
@@ -163,6 +172,20 @@ def test_every_rank_gets_rows_of_every_batch(world):
         assert all(hi > lo for lo, hi in slices), (len(batch), slices)
     one_rank = plan_epoch(lengths, batch_tokens=300, limit=256, seed=1, epoch=0)
     assert min(len(b) for b in one_rank) < world <= min(len(b) for b in plan)  # the guard did something
+
+
+def test_rank_batch_tokens_scale_the_global_batch_with_the_ranks():
+    config = TrainConfig(rank_batch_tokens=512)
+    assert config.for_world_size(1).batch_tokens == 512
+    eight = config.for_world_size(8)
+    assert (eight.batch_tokens, eight.max_length, eight.sequence_limit) == (4096, 512, 512)
+    assert TrainConfig(rank_batch_tokens=512, max_length=300).for_world_size(4).max_length == 300
+    assert TrainConfig(batch_tokens=1000).for_world_size(8).batch_tokens == 1000  # the global batch, as given
+    from click.testing import CliRunner
+    from beagle.train_cli import train as train_command
+    result = CliRunner().invoke(train_command, ["--store", "s", "--out", "o", "--batch-tokens", "4096",
+                                                "--rank-batch-tokens", "512"])
+    assert result.exit_code != 0 and "--batch-tokens and --rank-batch-tokens both given" in result.output
 
 
 def test_each_rank_gets_its_own_gpu_and_an_explicit_one_is_refused_under_torchrun():
