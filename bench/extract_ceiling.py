@@ -111,8 +111,6 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from pipeline.extract.forward import ForwardConfig  # noqa: F401 - the hook patches this module
-
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-ceiling-"))
     work.mkdir(parents=True, exist_ok=True)
     counts = [int(n) for n in args.layers.split(",")]
