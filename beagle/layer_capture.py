@@ -35,6 +35,20 @@ def decoder_layers(base: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLis
     return lists[0] if len(lists) == 1 else None
 
 
+def normalize_layers(layers: Sequence[int], num_layers: int) -> list[int]:
+    """Check `--layers` against the model and make them canonical: -1, or 0..n-1 (n is the same as -1)."""
+    canonical = []
+    for layer in layers:
+        if not -(num_layers + 1) <= layer <= num_layers:
+            raise ValueError(f"--layers {layer}: out of range for a model with {num_layers} layers; use -1 "
+                             f"(after the final norm) or 0..{num_layers - 1} (0 = embeddings)")
+        value = layer + num_layers + 1 if layer < 0 else layer
+        canonical.append(-1 if value == num_layers else value)
+    if len(set(canonical)) != len(canonical):
+        raise ValueError(f"--layers {list(layers)}: names the same layer twice (canonical {canonical})")
+    return canonical
+
+
 class LayerCapture:
     """Hooks that keep the states of `layers` (HF `hidden_states` indices, -1 = after the final norm) during
     the forwards run inside `with`:
@@ -49,7 +63,8 @@ class LayerCapture:
         self.base = base_model(model)
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0)
         self.layers = tuple(layers)
-        self.wanted = [self._canonical(layer) for layer in self.layers]  # 0..n, n = after the final norm
+        n = self.num_layers
+        self.wanted = [n if layer == -1 else layer for layer in normalize_layers(layers, n)]  # 0..n, n = final
         stack = decoder_layers(self.base, self.num_layers) if self.num_layers else None
         needs_stack = any(layer < self.num_layers for layer in self.wanted)
         self.stack = stack
@@ -60,13 +75,6 @@ class LayerCapture:
                      type(self.base).__name__, list(self.layers))
         self._captured: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
-
-    def _canonical(self, layer: int) -> int:
-        n = self.num_layers
-        value = layer + n + 1 if layer < 0 else layer
-        if not 0 <= value <= n:
-            raise ValueError(f"layer {layer} is out of range for a model with {n} layers")
-        return value
 
     def __enter__(self) -> "LayerCapture":
         self._captured.clear()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from beagle.devices import pick_device
-from beagle.layer_capture import LayerCapture, base_model
+from beagle.layer_capture import LayerCapture, base_model, normalize_layers  # noqa: F401 - re-exported
 from beagle.target_facts import facts_from_config, read_target_facts
 from beagle.target_model import load_causal_lm, weight_files
 from pipeline.store.hashing import update_from_file
@@ -132,17 +132,3 @@ class TargetForward:
             for position, states in zip(batch, self.forward_batch([sequences[i] for i in batch])):
                 result[position] = states
         return result  # type: ignore[return-value]
-
-
-def normalize_layers(layers: Sequence[int], num_layers: int) -> list[int]:
-    """Check `--layers` against the model and make them canonical: -1, or 0..n-1 (n is the same as -1)."""
-    canonical = []
-    for layer in layers:
-        if not -(num_layers + 1) <= layer <= num_layers:
-            raise ValueError(f"--layers {layer}: out of range for a model with {num_layers} layers; use -1 "
-                             f"(after the final norm) or 0..{num_layers - 1} (0 = embeddings)")
-        value = layer + num_layers + 1 if layer < 0 else layer
-        canonical.append(-1 if value == num_layers else value)
-    if len(set(canonical)) != len(canonical):
-        raise ValueError(f"--layers {list(layers)}: names the same layer twice (canonical {canonical})")
-    return canonical
