@@ -51,19 +51,34 @@ def chunk_rows(num_tokens: int, target: int = DEFAULT_CHUNK_TOKENS) -> int:
     return max(1, math.ceil(num_tokens / num_chunks))
 
 
+def _create_hidden_array(store: Any, name: str, num_tokens: int, hidden: int, dtype: np.dtype, *,
+                         logical_dtype: str, layer: int, compressors: Any, chunk_tokens: int) -> tuple[Any, int, int]:
+    """The metadata of one sharded array [tokens, hidden], chunked along tokens; (array, rows per chunk,
+    chunks). The single Zarr shard spans every chunk, the last padded with zeros."""
+    rows = chunk_rows(num_tokens, chunk_tokens)
+    num_chunks = max(1, math.ceil(num_tokens / rows))
+    array = zarr.create_array(
+        store=store, name=name, shape=(num_tokens, hidden), dtype=dtype,
+        chunks=(rows, hidden), shards=(rows * num_chunks, hidden), compressors=compressors, fill_value=0,
+        config={"write_empty_chunks": True},
+        attributes={"logical_dtype": logical_dtype, "layer": layer,
+                    "encoding": "uint16 bit pattern of bfloat16" if logical_dtype == "bfloat16" else "native"},
+        dimension_names=("token", "hidden"))
+    return array, rows, num_chunks
+
+
+def _back_to_back_index(num_chunks: int, chunk_bytes: int) -> np.ndarray:
+    """The shard index [chunks, 2] (offset, nbytes) of raw chunks laid back to back from the file's start."""
+    return np.stack([np.arange(num_chunks, dtype="<u8") * chunk_bytes,
+                     np.full(num_chunks, chunk_bytes, dtype="<u8")], axis=1)
+
+
 def write_hidden_array(store: Any, name: str, values: np.ndarray, *, logical_dtype: str, layer: int,
                        compression: str | None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
     """Write `values` [tokens, hidden] as one sharded Zarr array, chunked along tokens."""
-    num_tokens, hidden = values.shape
-    rows = chunk_rows(num_tokens, chunk_tokens)
-    shard_rows = rows * max(1, math.ceil(num_tokens / rows))
     compressors = None if compression in (None, "none") else [_compressor(compression)]
-    array = zarr.create_array(
-        store=store, name=name, shape=(num_tokens, hidden), dtype=values.dtype,
-        chunks=(rows, hidden), shards=(shard_rows, hidden), compressors=compressors, fill_value=0,
-        config={"write_empty_chunks": True},
-        attributes=_hidden_attributes(logical_dtype, layer),
-        dimension_names=("token", "hidden"))
+    array, _, _ = _create_hidden_array(store, name, *values.shape, values.dtype, logical_dtype=logical_dtype,
+                                       layer=layer, compressors=compressors, chunk_tokens=chunk_tokens)
     array[:] = values
 
 
@@ -81,15 +96,10 @@ def write_raw_hidden_array(store: Any, directory: str, name: str, parts: Sequenc
 
     num_tokens = sum(int(part.shape[0]) for part in parts)
     hidden, dtype = int(parts[0].shape[1]), np.dtype(parts[0].dtype).newbyteorder("<")
-    rows = chunk_rows(num_tokens, chunk_tokens)
-    num_chunks = max(1, math.ceil(num_tokens / rows))
-    zarr.create_array(
-        store=store, name=name, shape=(num_tokens, hidden), dtype=dtype, chunks=(rows, hidden),
-        shards=(rows * num_chunks, hidden), compressors=None, fill_value=0, config={"write_empty_chunks": True},
-        attributes=_hidden_attributes(logical_dtype, layer), dimension_names=("token", "hidden"))
+    _, rows, num_chunks = _create_hidden_array(store, name, num_tokens, hidden, dtype, logical_dtype=logical_dtype,
+                                               layer=layer, compressors=None, chunk_tokens=chunk_tokens)
     chunk_bytes = rows * hidden * dtype.itemsize
-    index = np.stack([np.arange(num_chunks, dtype="<u8") * chunk_bytes,
-                      np.full(num_chunks, chunk_bytes, dtype="<u8")], axis=1).tobytes()
+    index = _back_to_back_index(num_chunks, chunk_bytes).tobytes()
     tail = [bytes((rows * num_chunks - num_tokens) * hidden * dtype.itemsize), index,
             np.uint32(google_crc32c.value(index)).astype("<u4").tobytes()]
     relative = f"{name}/c/0/0"
@@ -112,11 +122,6 @@ def write_hashed(path: str, buffers: Sequence[Any]) -> tuple[str, int]:
             hasher.submit(digest.update, buffer)  # one worker: updates run in submission order
             handle.write(buffer)
     return digest.hexdigest(), sum(memoryview(buffer).nbytes for buffer in buffers)
-
-
-def _hidden_attributes(logical_dtype: str, layer: int) -> dict:
-    return {"logical_dtype": logical_dtype, "layer": layer,
-            "encoding": "uint16 bit pattern of bfloat16" if logical_dtype == "bfloat16" else "native"}
 
 
 def write_scale_array(store: Any, name: str, scales: np.ndarray, *, layer: int) -> None:
@@ -154,9 +159,7 @@ def map_hidden_array(array_dir: str, *, dtype: np.dtype, num_tokens: int, hidden
     with open(shard_file, "rb") as handle:
         handle.seek(size - index_bytes)
         index = np.frombuffer(handle.read(index_bytes - _CRC_BYTES), dtype="<u8").reshape(num_chunks, 2)
-    expected = np.stack([np.arange(num_chunks, dtype=np.uint64) * chunk_bytes,
-                         np.full(num_chunks, chunk_bytes, dtype=np.uint64)], axis=1)
-    if not np.array_equal(index, expected):
+    if not np.array_equal(index, _back_to_back_index(num_chunks, chunk_bytes)):
         return None
     # mode "c" (copy-on-write): writable views for torch, yet the file itself is never modified.
     return np.memmap(shard_file, dtype=dtype, mode="c", offset=0, shape=(num_tokens, hidden))
