@@ -1,7 +1,8 @@
 """Read conversation records from JSON, JSONL, Parquet and `datasets` directories.
 
-Reading happens on the driver: it is cheap next to the target forward, and it is the one place where a
-malformed line can be turned into a reject (with its file and line) instead of killing a Ray read task.
+Reading happens on the driver, as a stream (`RecordStream`): it is cheap next to the target forward, and
+it is the one place where a malformed line can be turned into a reject (with its file and line) instead
+of killing a Ray read task.
 Every record either becomes a `Record` (normalised roles, a stable id) or a reject dict with a reason
 from `REJECT_REASONS`.
 """
@@ -268,53 +269,112 @@ def check_data_path(path: str) -> Path:
 
 def read_inputs(paths: list[str], *, limit: int | None = None,
                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> ReadResult:
-    """Read every input in order; stop once `limit` usable records are collected."""
+    """Read every input in order into memory; stop once `limit` usable records are collected."""
     return ReadResult(*read_records(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes))
+
+
+@dataclass(frozen=True)
+class InputScan:
+    """What one pass over the inputs learns without keeping a record: the facts the dataset_id needs before
+    anything is written, how many records will reach tokenizing, and whether a chat template is needed."""
+
+    sources: list[dict[str, Any]]  # {"path", "sha256", "records"} per input, as RecordStream reports them
+    records: int  # usable records: each becomes a sample or a tokenizing reject
+    conversations: bool  # some usable record is a conversation
+
+
+def scan_inputs(paths: list[str], *, limit: int | None = None,
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> InputScan:
+    """Read the inputs once, keeping only counts. Extraction must know the dataset_id (which counts each
+    file's records up to `limit`) before it claims a store, and must not hold the records to know it."""
+    stream = RecordStream(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes)
+    conversations = False
+    for record in stream:
+        conversations = conversations or record.messages is not None
+    return InputScan(stream.sources, stream.records, conversations)
+
+
+def stream_inputs(paths: list[str], scan: InputScan, *, limit: int | None = None,
+                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> RecordStream:
+    """The records `scan` counted, read again lazily (the files are not hashed a second time)."""
+    return RecordStream(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes,
+                        digests=[source["sha256"] for source in scan.sources])
 
 
 def read_records(paths: list[str], normalize: Callable[..., Any], *, limit: int | None = None,
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
                  ) -> tuple[list[Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(records, rejects, sources) of every input in order, stopping once `limit` records are usable.
+    """(records, rejects, sources) of every input in order, stopping once `limit` records are usable: a
+    `RecordStream` read whole (regeneration, tests); extraction reads the stream as it goes instead."""
+    stream = RecordStream(paths, normalize, limit=limit, max_record_bytes=max_record_bytes)
+    records = list(stream)
+    return records, stream.rejects, stream.sources
+
+
+class RecordStream:
+    """The usable records of the inputs, in input order, read lazily: one pass over the files per iteration.
 
     `normalize(obj, source=, index=, default_id=)` turns one raw record into a frozen dataclass with
     `sample_id` and `line` fields, or raises `RejectRecord` (or a subclass with its own reasons); a record
-    whose id was already seen is rejected as `duplicate_id`. Extraction and regeneration both read this way.
+    whose id was already seen is rejected as `duplicate_id`. Reading stops once `limit` records are usable.
+    While it is iterated, `rejects` collects the rejected records and `sources` each finished file's
+    {"path", "sha256", "records"} (records read from it, rejects included): what the dataset_id hashes.
+    What the stream keeps grows with the rejects and the set of ids seen, never with the records.
+
+    `digests`: the files' sha256 from an earlier pass over the same inputs, so a second pass (extraction
+    scans its inputs once before it reads them for good) does not hash every file again.
     """
-    records: list[Any] = []
-    rejects: list[dict[str, Any]] = []
-    sources: list[dict[str, Any]] = []
-    checked = [check_data_path(p) for p in paths]
-    names = [p.name for p in checked]
-    seen_ids: set[str] = set()
-    for given, path in zip(paths, checked):
-        digest = sha256_path(path)
-        # Ids derived from position use the file name, or its hash when two inputs share a name.
-        prefix = path.name if names.count(path.name) == 1 else f"{path.name}@{digest[:8]}"
-        count = 0
-        for index, obj, unreadable, line in iter_raw_records(path, max_record_bytes=max_record_bytes):
-            if limit is not None and len(records) >= limit:
-                break
-            count += 1
-            where = {"source": given, "index": index}
-            if line is not None:
-                where["line"] = line
-            try:
-                if unreadable is not None:
-                    raise unreadable
-                if line is None and _text_bytes(obj) > max_record_bytes:  # rows of .json / Parquet / datasets
-                    raise RejectRecord("too_large", f"{_text_bytes(obj):,} bytes of text, more than "
-                                       f"--max-record-bytes {max_record_bytes:,}")
-                record = normalize(obj, source=given, index=index, default_id=f"{prefix}:{index}")
-                if record.sample_id in seen_ids:
-                    raise RejectRecord("duplicate_id", f"id {record.sample_id!r} seen before")
-            except RejectRecord as reject:
-                rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
-                continue
-            if line is not None:
-                record = dataclasses.replace(record, line=line)
-            seen_ids.add(record.sample_id)
-            records.append(record)
-        sources.append({"path": given, "sha256": digest, "records": count})
-        logger.info("read %s: %d records", given, count)
-    return records, rejects, sources
+
+    def __init__(self, paths: list[str], normalize: Callable[..., Any], *, limit: int | None = None,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, digests: list[str] | None = None) -> None:
+        self.paths = list(paths)
+        self.checked = [check_data_path(p) for p in paths]  # a missing or unreadable input fails at once
+        self.normalize = normalize
+        self.limit = limit
+        self.max_record_bytes = max_record_bytes
+        self.digests = digests
+        self.rejects: list[dict[str, Any]] = []
+        self.sources: list[dict[str, Any]] = []
+        self.records = 0  # usable records yielded so far
+
+    def __iter__(self) -> Iterator[Any]:
+        self.rejects, self.sources, self.records = [], [], 0
+        names = [p.name for p in self.checked]
+        seen_ids: set[str] = set()
+        for k, (given, path) in enumerate(zip(self.paths, self.checked)):
+            digest = self.digests[k] if self.digests is not None else sha256_path(path)
+            # Ids derived from position use the file name, or its hash when two inputs share a name.
+            prefix = path.name if names.count(path.name) == 1 else f"{path.name}@{digest[:8]}"
+            count = 0
+            for index, obj, unreadable, line in iter_raw_records(path, max_record_bytes=self.max_record_bytes):
+                if self.limit is not None and self.records >= self.limit:
+                    break
+                count += 1
+                record = self._record(obj, unreadable, source=given, index=index, line=line,
+                                      default_id=f"{prefix}:{index}", seen_ids=seen_ids)
+                if record is not None:
+                    seen_ids.add(record.sample_id)
+                    self.records += 1
+                    yield record
+            self.sources.append({"path": given, "sha256": digest, "records": count})
+            logger.info("read %s: %d records", given, count)
+
+    def _record(self, obj: Any, unreadable: RejectRecord | None, *, source: str, index: int, line: int | None,
+                default_id: str, seen_ids: set[str]) -> Any:
+        """One raw record -> the normalised record, or None after adding its reject to `rejects`."""
+        where: dict[str, Any] = {"source": source, "index": index}
+        if line is not None:
+            where["line"] = line
+        try:
+            if unreadable is not None:
+                raise unreadable
+            if line is None and _text_bytes(obj) > self.max_record_bytes:  # rows of .json / Parquet / datasets
+                raise RejectRecord("too_large", f"{_text_bytes(obj):,} bytes of text, more than "
+                                   f"--max-record-bytes {self.max_record_bytes:,}")
+            record = self.normalize(obj, source=source, index=index, default_id=default_id)
+            if record.sample_id in seen_ids:
+                raise RejectRecord("duplicate_id", f"id {record.sample_id!r} seen before")
+        except RejectRecord as reject:
+            self.rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
+            return None
+        return dataclasses.replace(record, line=line) if line is not None else record
