@@ -1,6 +1,4 @@
 """The target forward and the shard actor, without Ray: right states, no padding leak, a readable shard."""
-import json
-import pickle
 
 import numpy as np
 import pytest
@@ -71,7 +69,7 @@ def test_model_directories_without_weights_fail_naming_them(tmp_path, target):
     assert fingerprint == target_fingerprint(str(target), "bfloat16")
 
 
-def test_shard_actor_works_without_ray_on_a_hand_built_batch(tmp_path, target, sequences):
+def test_shard_actor_works_without_ray_on_a_hand_built_shard(tmp_path, target, sequences):
     url = str(tmp_path / "store")
     facts = {"target": target_fingerprint(str(target), "bfloat16"), "tokenizer": {}, "source": {"files": []},
              "capture": {"layers": [-1], "dtype": "bfloat16", "max_length": 64}}
@@ -81,10 +79,10 @@ def test_shard_actor_works_without_ray_on_a_hand_built_batch(tmp_path, target, s
                for i, s in enumerate(sequences)]
     config = ForwardConfig(str(target), layers=(-1,), dtype="bfloat16", batch_tokens=64)
     actor = ShardExtractor(config, url)
-    out = actor({"shard_index": np.array([0]), "samples": np.array([pickle.dumps(samples)], dtype=object)})
-    assert out["shard_index"].tolist() == [0] and (tmp_path / "store" / "head.safetensors").exists()
+    out = actor.extract(0, samples)
+    assert out["shard_index"] == 0 and (tmp_path / "store" / "head.safetensors").exists()
     info = committed_shards(url)[0]
-    assert info == json.loads(out["info"][0])
+    assert info == out["info"]
     assert info["samples"] == len(sequences) and info["tokens"] == sum(LENGTHS)
     commit_manifest(url, dataset_id=dataset_id, **facts, shards=[info], rejected={})
     store = open_store(url)

@@ -138,13 +138,13 @@ def test_an_actor_forwards_the_next_shard_while_it_writes_the_last(ray_address, 
 
 
 def test_write_overlap_is_measured_per_actor():
-    from pipeline.extract.pipeline import write_overlap_seconds
+    from pipeline.extract.dispatch import write_overlap_seconds
 
     spans = [(1, 0.0, 1.0, 3.0), (1, 1.0, 2.5, 4.0), (2, 0.0, 1.0, 2.0), (1, 2.5, 3.0, 5.0)]
     # actor 1: shard 1 written over [1, 3] while shard 2 forwards over [1, 2.5] -> 1.5; shard 2 written over
     # [2.5, 4] while shard 3 forwards over [2.5, 3] -> 0.5; actor 2 alone -> 0
     assert write_overlap_seconds(spans) == pytest.approx(2.0)
-    from pipeline.extract.pipeline import actor_busy_seconds
+    from pipeline.extract.dispatch import actor_busy_seconds
     assert actor_busy_seconds(spans) == pytest.approx((5.0 - 0.0) + (2.0 - 0.0))  # actor 1 [0, 5], actor 2 [0, 2]
 
 

@@ -1,22 +1,18 @@
-"""The Ray Data stages: tokenize tasks and the forward actor that turns a whole shard into stored states.
+"""The Ray stages' code: tokenize tasks and the forward actor that turns a whole shard into stored states.
 
-Both take and return `dict[str, np.ndarray]` batches, so they run without Ray on a hand-built batch.
-A row is a whole shard (or a tokenize chunk); payloads are pickled lists so ragged token arrays cross
-the object store as one binary value. The actor writes its shard itself: shipping [n, L, d] states back
-through the object store to a separate writer would copy the largest thing in the job for nothing.
+Both are plain Python (a function, a class), so they run and are tested without Ray; the driver
+(pipeline.extract.dispatch and pipeline.extract.stream) makes them Ray tasks and actors. The actor writes
+its shard itself: shipping [n, L, d] states back through the object store to a separate writer would copy
+the largest thing in the job for nothing.
 """
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
-import pickle
 import threading
 import time
 from typing import Any
-
-import numpy as np
 
 from pipeline.extract.chat import load_tokenizer, tokenize_record
 from pipeline.extract.forward import ForwardConfig, TargetForward
@@ -51,23 +47,21 @@ def tokenize_records(tokenizer: Any, records: list[Record], *, max_length: int) 
     return out
 
 
-def tokenize_chunks(batch: dict[str, np.ndarray], *, model_path: str, trust_remote_code: bool,
-                    max_length: int) -> dict[str, np.ndarray]:
-    """Ray Data task: each row's `records` (pickled list of Record) -> `tokenized` (pickled results)."""
-    tokenizer = _tokenizer(model_path, trust_remote_code)
-    results = [pickle.dumps(tokenize_records(tokenizer, pickle.loads(payload), max_length=max_length))
-               for payload in batch["records"]]
-    return {"chunk": np.asarray(batch["chunk"]), "tokenized": np.asarray(results, dtype=object)}
+def tokenize_chunk(records: list[Record], *, model_path: str, trust_remote_code: bool,
+                   max_length: int) -> list[tuple[str, dict]]:
+    """Ray task: `tokenize_records` of one chunk, with this worker's tokenizer (loaded once per process)."""
+    return tokenize_records(_tokenizer(model_path, trust_remote_code), records, max_length=max_length)
 
 
 class ShardExtractor:
-    """Ray Data actor: loads the target once; per row, forwards one shard's samples and commits the shard.
+    """Forward actor: loads the target once; per call, forwards one shard's samples and commits the shard.
 
-    Two rows run at once on two threads of the actor (`ActorPool.map_batches(overlap=True)`): the forward is
-    serialised by a lock, so while one shard is encoded, hashed and written the next shard's forward already
-    runs, and the device never waits for the disk. At most one shard waits for its write behind the one
-    being forwarded: the back-pressure when the writer falls behind. A write that fails (a full disk) stops
-    that row with its error; its shard is never committed, and the driver stops the job.
+    Two calls run at once on two threads of the actor (the driver keeps two shards in flight per actor, the
+    actor runs with max_concurrency=2): the forward is serialised by a lock, so while one shard is encoded,
+    hashed and written the next shard's forward already runs, and the device never waits for the disk. At
+    most one shard waits for its write behind the one being forwarded: the back-pressure when the writer
+    falls behind. A write that fails (a full disk) returns its error as data; its shard is never committed,
+    and the driver stops the job.
 
     Also writes the store's head (embedding + LM head) once if it is not there yet: every actor holds
     the model already, and the head write is atomic, so two actors (or threads) racing write the same bytes.
@@ -89,43 +83,37 @@ class ShardExtractor:
             write_head(self.store_url, **self.forward.head())
         self._head_done = True
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def extract(self, shard_index: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """Forward and commit shard `shard_index` ({sample_id, input_ids [L], loss_mask [L]} per sample).
+
+        Returns {"shard_index", "info": the committed shard's info, or {"os_error": {errno, strerror,
+        filename}}, "seconds": forward + write, "forward_seconds", "spans": [forward start, forward end,
+        committed] (time.time()), "pid", "node"}."""
         from pipeline.extract.store_tensors import write_shard
 
-        infos, seconds, forward_seconds, spans = [], [], [], []
-        for shard_index, payload in zip(batch["shard_index"], batch["samples"]):
-            samples = pickle.loads(payload)
-            with self._forward_lock:  # one forward at a time on the device; the other thread writes meanwhile
-                forward_started = time.time()
-                states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
-                forward_ended = time.time()
-            forward_seconds.append(forward_ended - forward_started)  # waiting for the lock is not forward time
-            try:
-                rows = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-                         "hidden_states": h} for s, h in zip(samples, states)]
-                info = write_shard(self.store_url, int(shard_index), rows, layers=self.forward.layers,
-                                   dtype=self.config.dtype)
-                if not self._head_done:
-                    self._ensure_head()
-            except OSError as error:
-                # A full disk (or a lost mount, a permission) is the user's to fix: hand it to the driver as
-                # data, which raises it as the OSError it is, instead of Ray's traceback of a failed UDF.
-                infos.append(json.dumps({"os_error": {"errno": error.errno, "strerror": error.strerror,
-                                                      "filename": str(error.filename or self.store_url)}}))
-                spans.append([forward_started, forward_ended, time.time()])
-                seconds.append(spans[-1][2] - forward_started)
-                break
-            infos.append(json.dumps(info))
-            spans.append([forward_started, forward_ended, time.time()])  # forward start, forward end, committed
-            seconds.append(spans[-1][2] - forward_started)  # this shard's own forward and write
+        with self._forward_lock:  # one forward at a time on the device; the other thread writes meanwhile
+            forward_started = time.time()
+            states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
+            forward_ended = time.time()
+        try:
+            rows = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+                     "hidden_states": h} for s, h in zip(samples, states)]
+            info: dict[str, Any] = write_shard(self.store_url, int(shard_index), rows, layers=self.forward.layers,
+                                               dtype=self.config.dtype)
+            if not self._head_done:
+                self._ensure_head()
+        except OSError as error:
+            # A full disk (or a lost mount, a permission) is the user's to fix: hand it to the driver as
+            # data, which raises it as the OSError it is, instead of Ray's traceback of a failed task.
+            info = {"os_error": {"errno": error.errno, "strerror": error.strerror,
+                                 "filename": str(error.filename or self.store_url)}}
+        committed = time.time()
+        if "os_error" not in info:
             logger.info("shard %d: %d samples in %.2fs (pid %d, node %s)", shard_index, len(samples),
-                        seconds[-1], os.getpid(), _node_id())
-        return {"shard_index": np.asarray(batch["shard_index"][:len(infos)], dtype=np.int64),
-                "info": np.asarray(infos, dtype=object),
-                "seconds": np.asarray(seconds), "forward_seconds": np.asarray(forward_seconds),
-                "spans": np.asarray(spans, dtype=np.float64).reshape(len(infos), 3),
-                "pid": np.full(len(infos), os.getpid(), dtype=np.int64),
-                "node": np.asarray([_node_id()] * len(infos), dtype=object)}
+                        committed - forward_started, os.getpid(), _node_id())
+        return {"shard_index": int(shard_index), "info": info, "seconds": committed - forward_started,
+                "forward_seconds": forward_ended - forward_started,  # waiting for the lock is not forward time
+                "spans": [forward_started, forward_ended, committed], "pid": os.getpid(), "node": _node_id()}
 
 
 def _node_id() -> str:

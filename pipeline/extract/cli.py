@@ -10,28 +10,28 @@ from pipeline.ray_session import quiet_ray_loggers
 
 
 class _TqdmProgress:
-    """A tqdm bar over samples with tokens/s in its postfix."""
+    """A tqdm bar over the records that passed reading, with tokens/s of the forward in its postfix.
+
+    A record counts once its shard is committed (now, or by an earlier run) or once tokenizing rejects it,
+    so the bar ends at its total."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.bar = None
         self.tokens = 0
-        self.first_tokens = None
 
-    def start(self, samples: int, tokens: int) -> None:
+    def start(self, total: int) -> None:
         if self.enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=samples, unit="sample", desc="extract", dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit="record", desc="extract", dynamic_ncols=True)
 
-    def advance(self, samples: int, tokens: int) -> None:
+    def advance(self, records: int, tokens: int, *, forwarded: bool) -> None:
         if self.bar is None:
             return
-        if self.first_tokens is None:  # shards kept from an earlier run do not count towards speed
-            self.first_tokens = tokens
-            self.bar.update(samples)
+        self.bar.update(records)
+        if not forwarded:  # shards kept from an earlier run, and rejects, do not count towards speed
             return
         self.tokens += tokens
-        self.bar.update(samples)
         elapsed = self.bar.format_dict["elapsed"] or 1e-9
         self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s")
 

@@ -1,30 +1,38 @@
-"""The extraction job: read -> tokenize (Ray tasks) -> forward + write whole shards (Ray actor pool).
+"""The extraction job, streamed: read -> tokenize (Ray tasks) -> shards -> forward + write (Ray actors).
 
 Determinism and resume: records are read in input order, tokenized, and the surviving samples are cut
 into shards of `samples_per_shard` consecutive samples. That assignment depends only on the inputs and
 settings (all inside the dataset_id), never on Ray scheduling, and each shard's forward batches depend
 only on its samples' lengths. So a rerun after a crash skips committed shards, redoes the rest, and the
 finished store is byte-identical per sample to an uninterrupted run.
+
+Memory: the driver never holds the inputs. One pass over them first (`scan_inputs`) counts what the
+dataset_id needs and keeps no record; the second reads them as a stream, tokenized a few chunks at a
+time (pipeline.extract.stream), and each shard goes to the forward actors as soon as it is formed
+(pipeline.extract.dispatch), two at most per actor. While the actors are full the driver stops reading.
+What it keeps grows only with the rejects, the ids seen (duplicate detection) and one info per shard.
 """
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
-import pickle
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
 
 from beagle.devices import torch_dtype
 from beagle.target_facts import read_target_facts
 from beagle.target_model import check_weights_match, weight_files
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
+from pipeline.extract.dispatch import Forwarded, ShardDispatcher, actor_busy_seconds, write_overlap_seconds
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
-from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, ReadResult, check_data_path, read_inputs
+from pipeline.extract.inputs import (DEFAULT_MAX_RECORD_BYTES, InputScan, RecordStream, check_data_path,
+                                    scan_inputs, stream_inputs)
+from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from pipeline.extract.summary import ExtractSummary
-from pipeline.ray_session import connect_ray, configure_ray_data, size_actor_pool
+from pipeline.ray_session import connect_ray, size_actor_pool
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +59,20 @@ class ExtractConfig:
     overwrite: bool = False
     trust_remote_code: bool = False
     samples_per_shard: int = 256
-    tokenize_chunk: int = 512  # records per tokenize task
+    tokenize_chunk: int = 512  # records per tokenize task (fewer when they are long: tokenize_chunk_chars)
+    tokenize_chunk_chars: int = 8 << 20  # about this many characters of text per tokenize task at most
+    tokenize_tasks: int = 4  # tokenize tasks in flight at once: with the chunk size, the records held at once
 
 
 class Progress(Protocol):
-    """What the pipeline reports while it runs; the CLI draws it, library callers may pass None."""
+    """What the pipeline reports while it runs; the CLI draws it, library callers may pass None.
 
-    def start(self, samples: int, tokens: int) -> None: ...
+    `total`: the records that passed reading. Each one ends as a sample of a shard (reported when its shard
+    commits, or is found committed by an earlier run) or as a reject at tokenizing (reported when met)."""
 
-    def advance(self, samples: int, tokens: int) -> None: ...
+    def start(self, total: int) -> None: ...
+
+    def advance(self, records: int, tokens: int, *, forwarded: bool) -> None: ...
 
 
 @dataclass
@@ -69,14 +82,7 @@ class Prepared:
     layers: list[int]
     hidden_size: int
     vocab_size: int
-    read: ReadResult
-    samples: list[dict] = field(default_factory=list)  # tokenized, input order
-    rejects: list[dict] = field(default_factory=list)
-    actor_pids: set[int] = field(default_factory=set)  # forward actors that committed shards in this run
-    actor_nodes: dict[int, str] = field(default_factory=dict)  # shard index -> Ray node id that wrote it
-    actor_seconds: float = 0.0  # summed over shards: forward + write inside the actors
-    actor_forward_seconds: float = 0.0  # summed over shards: the forward alone
-    actor_spans: list[tuple[int, float, float, float]] = field(default_factory=list)  # pid, forward start/end, commit
+    scan: InputScan
 
 
 def _absolute(url: str) -> str:
@@ -84,7 +90,8 @@ def _absolute(url: str) -> str:
 
 
 def prepare(config: ExtractConfig) -> Prepared:
-    """Validate everything that can fail at once (files, model, tokenizer, settings), then read inputs."""
+    """Validate everything that can fail at once (files, model, tokenizer, settings), then scan the inputs
+    (one pass that keeps no record: the counts the dataset_id needs, and whether a chat template is)."""
     if not config.data:
         raise ValueError("--data: give at least one input file")
     for path in config.data:
@@ -102,35 +109,26 @@ def prepare(config: ExtractConfig) -> Prepared:
     check_weights_match(config.model_path, facts.hidden_size, facts.vocab_size, facts.num_hidden_layers)
     layers = normalize_layers(config.layers, facts.num_hidden_layers)
     tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
-    read = read_inputs(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
-    if any(r.messages is not None for r in read.records) and not isinstance(tokenizer.chat_template, str):
+    scan = scan_inputs(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
+    if scan.conversations and not isinstance(tokenizer.chat_template, str):
         raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
                          "conversations; add a chat_template to tokenizer_config.json")
-    return Prepared(config, tokenizer, layers, facts.hidden_size, facts.vocab_size, read)
+    return Prepared(config, tokenizer, layers, facts.hidden_size, facts.vocab_size, scan)
 
 
-def tokenize_all(prepared: Prepared, *, use_ray: bool) -> None:
-    """Tokenize every record (Ray tasks, or in-process for --dry-run); fills samples and rejects."""
-    from pipeline.extract.actor import tokenize_records
+def _records(prepared: Prepared) -> RecordStream:
+    config = prepared.config
+    return stream_inputs(list(config.data), prepared.scan, limit=config.limit,
+                         max_record_bytes=config.max_record_bytes)
 
-    config, records = prepared.config, prepared.read.records
-    chunks = [records[i:i + config.tokenize_chunk] for i in range(0, len(records), config.tokenize_chunk)]
-    if use_ray and len(chunks) > 1:  # one chunk: a Ray task would only add a worker start
-        import ray.data
 
-        from pipeline.extract.actor import tokenize_chunks
-
-        dataset = ray.data.from_items([{"chunk": k, "records": pickle.dumps(c)} for k, c in enumerate(chunks)],
-                                      override_num_blocks=len(chunks))
-        dataset = dataset.map_batches(tokenize_chunks, batch_size=1, num_cpus=1, fn_kwargs={
-            "model_path": _absolute(config.model_path), "trust_remote_code": config.trust_remote_code,
-            "max_length": config.max_length})
-        by_chunk = {int(row["chunk"]): pickle.loads(row["tokenized"]) for row in dataset.iter_rows()}
-        results = [item for k in range(len(chunks)) for item in by_chunk[k]]
-    else:
-        results = tokenize_records(prepared.tokenizer, records, max_length=config.max_length)
-    prepared.samples = [value for kind, value in results if kind == "sample"]
-    prepared.rejects = [value for kind, value in results if kind == "reject"]
+def _samples(prepared: Prepared, records: RecordStream, *, use_ray: bool) -> Iterator[tuple[str, dict]]:
+    """The records' tokenize results in input order: Ray tasks, or here for --dry-run."""
+    config = prepared.config
+    return tokenized(records, tokenizer=prepared.tokenizer, model_path=_absolute(config.model_path),
+                     trust_remote_code=config.trust_remote_code, max_length=config.max_length,
+                     chunk_size=ChunkSize(config.tokenize_chunk, config.tokenize_chunk_chars),
+                     in_flight=config.tokenize_tasks if use_ray else None)
 
 
 def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
@@ -142,7 +140,7 @@ def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
     if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older ids stay valid
         capture["max_record_bytes"] = config.max_record_bytes
     return {"target": target, "tokenizer": tokenizer_fingerprint(config.model_path, prepared.tokenizer),
-            "capture": capture, "source": {"files": prepared.read.sources}}
+            "capture": capture, "source": {"files": prepared.scan.sources}}
 
 
 def estimate_store_bytes(prepared: Prepared, tokens: int) -> tuple[int, int]:
@@ -152,74 +150,110 @@ def estimate_store_bytes(prepared: Prepared, tokens: int) -> tuple[int, int]:
     return tokens * (len(prepared.layers) * prepared.hidden_size * element + 5) + head, head
 
 
-def _sorted_rejects(prepared: Prepared) -> list[dict]:
-    order = {path: i for i, path in enumerate(prepared.config.data)}
-    return sorted(prepared.read.rejects + prepared.rejects, key=lambda r: (order.get(r["source"], 0), r["index"]))
+def _sorted_rejects(config: ExtractConfig, *parts: list[dict]) -> list[dict]:
+    """Rejects of reading and of tokenizing together, in input order (file, then record)."""
+    order = {path: i for i, path in enumerate(config.data)}
+    return sorted((r for part in parts for r in part), key=lambda r: (order.get(r["source"], 0), r["index"]))
 
 
-def _base_summary(prepared: Prepared, dataset_id: str) -> ExtractSummary:
-    rejects = _sorted_rejects(prepared)
+def _base_summary(counts: SampleCounts, rejects: list[dict], dataset_id: str) -> ExtractSummary:
     return ExtractSummary(
-        dataset_id=dataset_id, samples=len(prepared.samples),
-        tokens=sum(len(s["input_ids"]) for s in prepared.samples),
-        loss_tokens=sum(int(s["loss_mask"].sum()) for s in prepared.samples),
+        dataset_id=dataset_id, samples=counts.samples, tokens=counts.tokens, loss_tokens=counts.loss_tokens,
         rejected_by_reason=dict(sorted(Counter(r["reason"] for r in rejects).items())),
-        truncated=sum(s["truncated"] for s in prepared.samples),
-        dropped_leading_assistant=sum(s["dropped_leading_assistant"] > 0 for s in prepared.samples))
+        truncated=counts.truncated, dropped_leading_assistant=counts.dropped_leading_assistant)
 
 
 def dry_run(config: ExtractConfig) -> ExtractSummary:
     """Tokenize only: counts and the estimated store size, without Ray or the model."""
     prepared = prepare(config)
-    tokenize_all(prepared, use_ray=False)
-    summary = _base_summary(prepared, "")
+    records, counts = _records(prepared), SampleCounts()
+    for _ in form_shards(_samples(prepared, records, use_ray=False), config.samples_per_shard, counts):
+        pass
+    summary = _base_summary(counts, _sorted_rejects(config, records.rejects, counts.rejects), "")
     summary.dry_run = True
     summary.store_bytes, summary.head_bytes = estimate_store_bytes(prepared, summary.tokens)
+    summary.driver_peak_rss_mib = peak_rss_mib()
     return summary
 
 
-def _forward_shards(prepared: Prepared, shards: dict[int, list[dict]], url: str,
-                    progress: Progress | None) -> list[dict]:
-    """Run the actor pool over the pending shards; returns their infos as they commit."""
-    import ray.data
+@dataclass
+class Streamed:
+    """What streaming the inputs through tokenizing and the forward actors produced."""
 
-    from pipeline.extract.actor import ShardExtractor
+    counts: SampleCounts
+    rejects: list[dict]  # of reading and of tokenizing, in input order
+    shards: int  # shards formed
+    kept: list[dict]  # infos of the shards an earlier run had committed (not forwarded again)
+    forwarded: Forwarded  # what the actors did in this run
+
+
+def _stream_shards(prepared: Prepared, url: str, progress: Progress | None) -> Streamed:
+    """Form every shard from the stream of inputs; keep those an earlier run committed, hand the others to
+    the forward actors as they form (the actors start with the first one)."""
+    from pipeline.store import committed_shards
 
     config = prepared.config
-    pool = size_actor_pool(items=len(shards), num_workers=config.num_workers,
+    committed = committed_shards(url, remove_damaged=True)
+    if committed:
+        logger.info("resuming %s: %d shard(s) already committed", url, len(committed))
+    records, counts = _records(prepared), SampleCounts()
+    kept: list[dict] = []
+    dispatcher: ShardDispatcher | None = None
+    shards = reported = 0
+
+    def report_rejects() -> None:  # tokenizing rejects count towards the progress total too
+        nonlocal reported
+        if progress is not None and len(counts.rejects) > reported:
+            progress.advance(len(counts.rejects) - reported, 0, forwarded=False)
+        reported = len(counts.rejects)
+
+    if progress is not None:
+        progress.start(prepared.scan.records)
+    try:
+        for index, samples in form_shards(_samples(prepared, records, use_ray=True), config.samples_per_shard,
+                                          counts):
+            shards = index + 1
+            report_rejects()
+            if index in committed:
+                kept.append(committed[index])
+                if progress is not None:
+                    progress.advance(len(samples), committed[index]["tokens"], forwarded=False)
+                continue
+            if dispatcher is None:
+                pending = max(1, math.ceil(prepared.scan.records / config.samples_per_shard) - len(committed))
+                dispatcher = _dispatcher(prepared, url, pending, progress)
+            dispatcher.submit(index, samples)
+        forwarded = dispatcher.finish() if dispatcher is not None else Forwarded()
+    finally:
+        if dispatcher is not None:
+            dispatcher.close()
+    report_rejects()
+    _check_unchanged(prepared.scan, records)
+    return Streamed(counts, _sorted_rejects(config, records.rejects, counts.rejects), shards, kept, forwarded)
+
+
+def _check_unchanged(scan: InputScan, records: RecordStream) -> None:
+    """The dataset_id counts each file's records as the first pass saw them: a file that grew or shrank
+    since (still being written?) would make the store lie about its inputs."""
+    for before, after in zip(scan.sources, records.sources):
+        if before["records"] != after["records"]:
+            raise ValueError(f"--data {before['path']}: changed while it was read ({before['records']} records, "
+                             f"then {after['records']}); rerun once it is complete")
+
+
+def _dispatcher(prepared: Prepared, url: str, pending: int, progress: Progress | None) -> ShardDispatcher:
+    """The forward actors for at most `pending` shards: one per GPU (per --num-gpus-per-worker), or
+    --num-workers, or one CPU actor; they start with the first shard handed to them."""
+    config = prepared.config
+    pool = size_actor_pool(items=pending, num_workers=config.num_workers,
                            num_gpus_per_worker=config.num_gpus_per_worker, threads=config.threads,
                            address=config.address)
     forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
                                    dtype=config.dtype, batch_tokens=config.batch_tokens, threads=pool.threads,
                                    trust_remote_code=config.trust_remote_code, device_map=config.device_map)
-    rows = [{"shard_index": k, "samples": pickle.dumps([{key: s[key] for key in ("sample_id", "input_ids", "loss_mask")}
-                                                         for s in samples])}
-            for k, samples in sorted(shards.items())]
-    dataset = pool.map_batches(ray.data.from_items(rows, override_num_blocks=len(rows)), ShardExtractor,
-                               overlap=True, config=forward_config, store_url=url)
-    logger.info("forward: %d shards on %d %s actor(s)", len(rows), pool.workers, pool.kind)
-    infos = []
-    for row in dataset.iter_rows():
-        _record_shard(prepared, row, infos, progress)
-    return infos
-
-
-def _record_shard(prepared: Prepared, row: dict, infos: list[dict], progress: Progress | None) -> None:
-    """Account for one shard a forward actor committed; raise the OSError an actor met writing one."""
-    info = json.loads(row["info"])
-    if "os_error" in info:
-        failed = info["os_error"]
-        raise OSError(failed["errno"], failed["strerror"], failed["filename"])
-    infos.append(info)
-    prepared.actor_pids.add(int(row["pid"]))
-    prepared.actor_nodes[int(row["shard_index"])] = str(row.get("node", ""))
-    logger.info("shard %d committed by pid %d on node %s", int(row["shard_index"]), int(row["pid"]),
-                prepared.actor_nodes[int(row["shard_index"])])
-    prepared.actor_seconds += float(row["seconds"])
-    prepared.actor_forward_seconds += float(row["forward_seconds"])
-    prepared.actor_spans.append((int(row["pid"]), *(float(t) for t in row["spans"])))
-    if progress is not None:
-        progress.advance(info["samples"], info["tokens"])
+    on_commit = None if progress is None else (
+        lambda info: progress.advance(info["samples"], info["tokens"], forwarded=True))
+    return ShardDispatcher(pool, forward_config, url, on_commit=on_commit)
 
 
 def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> ExtractSummary:
@@ -251,31 +285,24 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
     if state == "complete":
         return _complete_summary(url, dataset_id, started)
     owned = connect_ray(config.address, config.num_workers)
-    configure_ray_data()
     try:
-        tokenize_all(prepared, use_ray=True)
-        summary = _base_summary(prepared, dataset_id)
-        if not prepared.samples:
+        streamed = _stream_shards(prepared, url, progress)
+        summary = _base_summary(streamed.counts, streamed.rejects, dataset_id)
+        if not summary.samples:
             if state == "new":
                 abandon_new_store(url)  # nothing written: the corrected rerun must not meet a half-made store
             raise ValueError(f"all {summary.rejected} records were rejected ({summary.rejected_by_reason}); "
                              "nothing to extract; check the input format and --max-length")
-        shards, done = _plan_shards(prepared, url)
-        if progress is not None:
-            progress.start(summary.samples, summary.tokens)
-            progress.advance(sum(i["samples"] for i in done.values()), sum(i["tokens"] for i in done.values()))
-        forward_started = time.perf_counter()
-        pending = {k: samples for k, samples in shards.items() if k not in done}
-        infos = _forward_shards(prepared, pending, url, progress) if pending else []
-        summary.forward_seconds = time.perf_counter() - forward_started
-        summary.forward_tokens = sum(i["tokens"] for i in infos)
-        _commit_store(prepared, url, dataset_id, facts, summary, list(done.values()) + infos)
+        summary.forward_seconds = streamed.forwarded.seconds
+        summary.forward_tokens = sum(i["tokens"] for i in streamed.forwarded.infos)
+        _commit_store(prepared, url, dataset_id, facts, summary, streamed.rejects,
+                      streamed.kept + streamed.forwarded.infos)
     finally:
         if owned:
             import ray
             ray.shutdown()
-    summary.shards, summary.shards_resumed, summary.state = len(shards), len(done), state
-    _add_run_facts(summary, prepared, url, started)
+    summary.shards, summary.shards_resumed, summary.state = streamed.shards, len(streamed.kept), state
+    _add_run_facts(summary, streamed.forwarded, url, started)
     return summary
 
 
@@ -290,20 +317,7 @@ def _complete_summary(url: str, dataset_id: str, started: float) -> ExtractSumma
                           loss_tokens=counts["loss_tokens"], rejected_by_reason=counts["rejected_by_reason"],
                           shards=len(store.manifest["shards"]), shards_resumed=len(store.manifest["shards"]),
                           store_bytes=_store_bytes(url), head_bytes=_head_bytes(url), state="complete",
-                          seconds=time.perf_counter() - started)
-
-
-def _plan_shards(prepared: Prepared, url: str) -> tuple[dict[int, list[dict]], dict[int, dict]]:
-    """(every shard's samples, the infos of shards an earlier run already committed)."""
-    from pipeline.store import committed_shards
-
-    size = prepared.config.samples_per_shard
-    samples = prepared.samples
-    shards = {k // size: samples[k:k + size] for k in range(0, len(samples), size)}
-    done = {k: info for k, info in committed_shards(url, remove_damaged=True).items() if k in shards}
-    if done:
-        logger.info("resuming %s: %d of %d shards already committed", url, len(done), len(shards))
-    return shards, done
+                          seconds=time.perf_counter() - started, driver_peak_rss_mib=peak_rss_mib())
 
 
 def _head_from_files(config: ExtractConfig, prepared: Prepared) -> dict:
@@ -321,7 +335,7 @@ def _head_from_files(config: ExtractConfig, prepared: Prepared) -> dict:
 
 
 def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str, dict],
-                  summary: ExtractSummary, shards: list[dict]) -> None:
+                  summary: ExtractSummary, rejects: list[dict], shards: list[dict]) -> None:
     """Write what the shards do not hold (the head, the rejects), then the manifest that makes it a store."""
     from pipeline.extract.store_tensors import write_head
     from pipeline.store import commit_manifest, write_rejects
@@ -331,7 +345,6 @@ def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str
     fs, root = fmt.open_fs(url)
     if not fs.exists(fmt.join(root, fmt.HEAD)):  # every shard was committed before a crash
         write_head(url, **_head_from_files(config, prepared))
-    rejects = _sorted_rejects(prepared)
     if rejects:
         write_rejects(url, rejects)
     extra = {"extract": {"version": EXTRACT_VERSION, "truncated": summary.truncated,
@@ -342,36 +355,32 @@ def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str
                     extra=extra)
 
 
-def _add_run_facts(summary: ExtractSummary, prepared: Prepared, url: str, started: float) -> None:
-    """What the run measured: actors and nodes used, their time, the store's size, the wall time."""
-    summary.actors = len(prepared.actor_pids)
-    summary.nodes = len(set(prepared.actor_nodes.values()))
-    summary.actor_seconds, summary.actor_forward_seconds = prepared.actor_seconds, prepared.actor_forward_seconds
-    summary.write_overlap_seconds = write_overlap_seconds(prepared.actor_spans)
-    summary.actor_busy_seconds = actor_busy_seconds(prepared.actor_spans)
+def _add_run_facts(summary: ExtractSummary, forwarded: Forwarded, url: str, started: float) -> None:
+    """What the run measured: actors and nodes used, their time, the store's size, the wall time, and the
+    driver's peak memory (bounded whatever the size of the inputs)."""
+    summary.actors = len(forwarded.actor_pids)
+    summary.nodes = len(set(forwarded.actor_nodes.values()))
+    summary.actor_seconds, summary.actor_forward_seconds = forwarded.actor_seconds, forwarded.actor_forward_seconds
+    summary.write_overlap_seconds = write_overlap_seconds(forwarded.actor_spans)
+    summary.actor_busy_seconds = actor_busy_seconds(forwarded.actor_spans)
     summary.store_bytes, summary.head_bytes = _store_bytes(url), _head_bytes(url)
     summary.seconds = time.perf_counter() - started
+    summary.driver_peak_rss_mib = peak_rss_mib()
 
 
-def write_overlap_seconds(spans: list[tuple[int, float, float, float]]) -> float:
-    """How long shards were being written while the same actor already forwarded the next one: the write
-    time the overlap hid from the device. `spans`: (actor pid, forward start, forward end, committed)."""
-    hidden = 0.0
-    for pid in {span[0] for span in spans}:
-        mine = sorted(span[1:] for span in spans if span[0] == pid)
-        for (_, written_from, written_to), (next_start, next_end, _) in zip(mine, mine[1:]):
-            hidden += max(0.0, min(written_to, next_end) - max(written_from, next_start))
-    return hidden
-
-
-def actor_busy_seconds(spans: list[tuple[int, float, float, float]]) -> float:
-    """Each actor's wall time from its first forward to its last commit, summed over actors: the time the
-    actors spent on shards, without their start (process, model load) or the driver's own work."""
-    busy = 0.0
-    for pid in {span[0] for span in spans}:
-        mine = [span for span in spans if span[0] == pid]
-        busy += max(span[3] for span in mine) - min(span[1] for span in mine)
-    return busy
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (VmHWM; ru_maxrss where there is no /proc)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def _store_bytes(url: str) -> int:

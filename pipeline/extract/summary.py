@@ -26,6 +26,7 @@ class ExtractSummary:
     actor_forward_seconds: float = 0.0  # of which the forward alone
     write_overlap_seconds: float = 0.0  # shard writes that ran while the same actor forwarded the next shard
     actor_busy_seconds: float = 0.0  # per actor, first forward to last commit, summed over actors
+    driver_peak_rss_mib: float = 0.0  # the driver process's peak resident memory (bounded: inputs are streamed)
     state: str = "new"  # new | resume | complete (nothing left to do)
     dry_run: bool = False
 
@@ -61,5 +62,6 @@ class ExtractSummary:
             f"  speed        {self.tokens_per_second:,.0f} tokens/s over {self.forward_tokens:,} tokens "
             f"forwarded in {self.forward_seconds:,.1f}s (total {self.seconds:,.1f}s)",
             f"  store size   {size} ({self.bytes_per_token:,.0f} bytes/token + head {self.head_bytes / 2**20:,.1f} MiB)",
+            f"  driver       {self.driver_peak_rss_mib:,.0f} MiB peak resident memory",
         ]
         return lines
