@@ -10,6 +10,8 @@ import click
 
 from beagle.devices import DTYPES
 
+HALF_DTYPES = ("bfloat16", "float16")  # where greedy equality is reported, not enforced (see --strict)
+
 logger = logging.getLogger(__name__)
 
 
@@ -88,15 +90,19 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--draft-vocab-store", multiple=True,
               help="Store(s) to count token frequencies in (default: the stores in the drafter's config.json).")
 @click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (docs/method.md §5.2).")
+@click.option("--strict/--no-strict", default=None,
+              help="Greedy: exit 1 when any answer differs from plain decoding. [on in float32; off in bfloat16 "
+                   "and float16, where differing answers are counted and reported: half precision rounds a "
+                   "one-token and a many-token pass differently]")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
              temperature, min_confidence, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
-             draft_vocab_store, no_concat, no_progress) -> None:
+             draft_vocab_store, no_concat, strict, no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
 
     Prints τ (tokens per target pass), acceptance per depth, tokens/s of both, the speedup and peak
-    memory. With --temperature 0 any output that differs from plain decoding is reported and the
-    command exits with status 1.
+    memory. With --temperature 0 any output that differs from plain decoding is reported, and in float32
+    (or with --strict) the command exits with status 1.
     """
     import torch
     from tqdm import tqdm
@@ -153,9 +159,22 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         plot_acceptance(summary.per_depth_acceptance, Path(plot_path),
                         f"{Path(drafter_dir).parent.name or drafter_dir}: τ={summary.acceptance_length:.2f}, {shape}")
     if temperature == 0:
-        if summary.mismatches:
-            for line in summary.mismatches:
-                click.echo(f"MISMATCH {line}", err=True)
-            click.echo(f"{len(summary.mismatches)} answer(s) differ from plain greedy decoding", err=True)
-            sys.exit(1)
+        _report_greedy_equality(summary, dtype, strict)
+
+
+def _report_greedy_equality(summary, dtype: str, strict: bool | None) -> None:
+    """Greedy speculative decoding must reproduce plain decoding. In float32 a difference is a bug (exit 1).
+    In half precision a one-token pass and a many-token pass round differently, which flips an argmax now
+    and then (docs/eval.md): there differences are counted and reported unless --strict."""
+    if not summary.mismatches:
         click.echo("outputs match plain greedy decoding token for token")
+        return
+    strict = dtype not in HALF_DTYPES if strict is None else strict
+    for line in summary.mismatches:
+        click.echo(f"{'MISMATCH' if strict else 'differs'} {line}", err=True)
+    differing = f"{len(summary.mismatches)} of {summary.answers_compared} answer(s) differ from plain greedy decoding"
+    if strict:
+        click.echo(differing, err=True)
+        sys.exit(1)
+    click.echo(f"{differing} in {dtype} (half-precision rounding, not checked; check exactness with "
+               "--dtype float32, or fail here with --strict)")

@@ -63,6 +63,7 @@ class EvalSummary:
     config: DraftConfig
     peak_memory_mb: dict[str, float]
     answers: list[dict] = field(default_factory=list)
+    answers_compared: int = 0  # greedy answers compared token for token (every turn of every prompt)
 
     @property
     def acceptance_length(self) -> float:
@@ -87,6 +88,7 @@ class EvalSummary:
             "speedup": self.speedup,
             "outputs_match": not self.mismatches,
             "mismatches": self.mismatches,
+            "answers_compared": self.answers_compared,
             "num_prompts": self.num_prompts,
             "max_new_tokens": self.max_new_tokens,
             "tokens": {"baseline": self.baseline.tokens, "speculative": self.speculative.tokens},
@@ -139,6 +141,7 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
     peaks = {"baseline": 0.0, "speculative": 0.0}
     mismatches: list[str] = []
     answers: list[dict] = []
+    compared = 0
     for index, item in enumerate(progress(items)):
         per_side = {}
         for name, side, totals in (("baseline", None, baseline), ("speculative", drafter, speculative)):
@@ -151,6 +154,7 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
             peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _peak_rss_mb()
             peaks[name] = max(peaks[name], peak)
         for turn, (plain, spec) in enumerate(zip(per_side["baseline"], per_side["speculative"])):
+            compared += config.temperature == 0
             if config.temperature == 0 and plain.tokens != spec.tokens:
                 first = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b),
                              min(len(plain.tokens), len(spec.tokens)))
@@ -163,4 +167,5 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
     if device.type != "cuda":
         peaks = {"process_peak_rss": _peak_rss_mb()}
     return EvalSummary(baseline=baseline, speculative=speculative, mismatches=mismatches, num_prompts=len(items),
-                       max_new_tokens=max_new_tokens, config=config, peak_memory_mb=peaks, answers=answers)
+                       max_new_tokens=max_new_tokens, config=config, peak_memory_mb=peaks, answers=answers,
+                       answers_compared=compared)
