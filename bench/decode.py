@@ -37,6 +37,14 @@ SHAPES = {
 }
 
 
+def untrained_drafter(model: torch.nn.Module, dtype: str, device: torch.device) -> BeagleDrafter:
+    """A drafter of the target's shape with random weights: it costs what a trained one costs."""
+    torch.manual_seed(0)
+    return BeagleDrafter(DrafterConfig.from_architecture(model.config.to_dict()),
+                         model.get_input_embeddings().weight.detach(),
+                         model.get_output_embeddings().weight.detach()).to(device, DTYPES[dtype]).eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=".cache/demo/model")
@@ -65,10 +73,7 @@ def main() -> None:
         drafter, meta = load_drafter_for(args.drafter, model, drafter_dtype, device)
         which = args.drafter
     else:
-        torch.manual_seed(0)
-        drafter = BeagleDrafter(DrafterConfig.from_architecture(model.config.to_dict()),
-                                model.get_input_embeddings().weight.detach(),
-                                model.get_output_embeddings().weight.detach()).to(device, DTYPES[drafter_dtype]).eval()
+        drafter = untrained_drafter(model, drafter_dtype, device)
         which = "untrained drafter (overhead only)"
     eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
     drafter, vocabulary_note = select_draft_vocabulary(drafter, meta, args.draft_vocab, args.draft_vocab_store, eos)

@@ -349,7 +349,7 @@ def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, nat
                                            *(["eval-bfloat16"] if native_bf16 else [])]
     evals = [arguments for name, arguments in steps if name.startswith("eval")]
     assert [a[a.index("--dtype") + 1] for a in evals] == ["float32", "bfloat16"][:len(evals)]
-    assert len({tuple(a[:a.index("--dtype")]) for a in evals}) == 1  # same drafter, prompts and shape
+    assert len({tuple(a[:a.index("--max-new-tokens") + 2]) for a in evals}) == 1  # same drafter and prompts
     for name, arguments in steps:
         command = main.get_command(click.Context(main), arguments[0])
         assert command is not None, f"no subcommand {arguments[0]}"
@@ -376,10 +376,10 @@ def test_final_table_shows_every_measure(tmp_path: Path) -> None:
         assert expected in table, expected
     assert "OUTPUTS DIFFER" in run.format_table({**summary, "outputs_match": False})
     assert "in bfloat16" not in table  # no second eval on hardware without native bf16
-    speed = {"dtype": "bfloat16", "acceptance_length": 1.31, "tokens_per_second": {"baseline": 27.5, "speculative": 30.1},
+    speed = {"dtype": "bfloat16", "draft": "--tree --min-confidence 0.05", "acceptance_length": 1.31, "tokens_per_second": {"baseline": 27.5, "speculative": 30.1},
              "speedup": 1.09, "answers_compared": 10, "answers_differing": 6}
     table = run.format_table({**summary, "speed_eval": speed})
-    for expected in ["in bfloat16", "τ 1.31, plain 27.5, speculative 30.1 tokens/s",
+    for expected in ["in bfloat16", "τ 1.31 (--tree --min-confidence 0.05), plain 27.5, speculative 30.1 tokens/s",
                      "1.09x (4 of 10 answers identical to plain bfloat16 decoding"]:
         assert expected in table, expected
     assert run._mean_accuracy([{"accuracy": [0.5, None]}, {"accuracy": [0.25, 0.5]}]) == [0.375, 0.5]

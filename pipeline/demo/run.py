@@ -48,9 +48,12 @@ class DemoSize:
     eval_draft: tuple[str, ...] = ("--chain", "--depth", "3", "--min-confidence", "0.25")
     eval_dtype: str = "float32"  # greedy equality with plain decoding is checked in one dtype
     # Speed is measured again in bf16 where the hardware multiplies it natively (AMX, AVX512-BF16, a GPU):
-    # there a pass over 4 tokens costs ~1.1x a one-token pass against ~1.5x in fp32, so drafting pays sooner.
-    # bf16 rounds one-token and many-token passes differently: its answers are compared and counted, not required equal.
+    # there a pass over 16 tokens costs ~1.2x a one-token pass against ~2x in fp32 (bench/round_cost.py), so
+    # a small tree pays: measured 1.10-1.12x against 1.02-1.05x for the chain (docs/benchmarks.md). bf16 rounds
+    # one-token and many-token passes differently: its answers are compared and counted, not required equal.
     speed_dtype: str | None = "bfloat16"
+    speed_draft: tuple[str, ...] = ("--tree", "--depth", "5", "--top-k", "4", "--total-tokens", "16",
+                                    "--min-confidence", "0.05")
 
 
 # Measured from a fresh clone on 2 shared CPU cores (docs/quickstart.md): regeneration ~160 generated tokens/s
@@ -98,7 +101,8 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
     quiet = [] if progress else ["--no-progress"]
     if native_bf16 is None:
         native_bf16 = hardware_runs_bf16()
-    speed = ([(f"eval-{size.speed_dtype}", [*_eval_arguments(size, cache, out), "--dtype", size.speed_dtype,
+    speed = ([(f"eval-{size.speed_dtype}", [*_eval_arguments(size, cache, out), *size.speed_draft,
+                                             "--dtype", size.speed_dtype,
                                              "--json", str(out / f"eval-{size.speed_dtype}.json"), *quiet])]
              if size.speed_dtype and native_bf16 else [])
     return [
@@ -116,17 +120,17 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
                    "--draft-vocab", str(size.draft_vocab),
                    "--lr", str(size.lr), "--warmup-steps", str(size.warmup_steps),
                    "--progress" if progress else "--no-progress"]),
-        ("eval", [*_eval_arguments(size, cache, out), "--dtype", size.eval_dtype, "--json", str(out / "eval.json"),
-                  "--plot", str(out / "acceptance.png"), *quiet]),
+        ("eval", [*_eval_arguments(size, cache, out), *size.eval_draft, "--dtype", size.eval_dtype,
+                  "--json", str(out / "eval.json"), "--plot", str(out / "acceptance.png"), *quiet]),
         *speed,
     ]
 
 
 def _eval_arguments(size: DemoSize, cache: DemoCache, out: Path) -> list[str]:
-    """What both evals share: the target, the drafter, the prompts and the draft shape."""
+    """What both evals share: the target, the drafter, the prompts and the answers' length."""
     return ["eval", "--model", str(cache.model_dir), "--drafter", str(out / "train" / "drafter"),
             "--prompts", str(cache.questions_path), "--limit", str(size.eval_prompts),
-            "--max-new-tokens", str(size.max_new_tokens), *size.eval_draft]
+            "--max-new-tokens", str(size.max_new_tokens)]
 
 
 def hardware_runs_bf16() -> bool:
@@ -184,7 +188,8 @@ def summarize(size: DemoSize, out: Path, results: list[StepResult]) -> dict:
         "speedup": evaluation.get("speedup"),
         "outputs_match": evaluation.get("outputs_match"),
         "speed_eval": None if speed is None else {
-            "dtype": size.speed_dtype, "acceptance_length": speed.get("acceptance_length"),
+            "dtype": size.speed_dtype, "draft": " ".join(size.speed_draft),
+            "acceptance_length": speed.get("acceptance_length"),
             "tokens_per_second": speed.get("tokens_per_second"), "speedup": speed.get("speedup"),
             "answers_compared": speed.get("answers_compared"), "answers_differing": len(speed.get("mismatches", []))},
         "plots": [str(p) for p in (out / "train" / "curves.png", out / "acceptance.png") if p.is_file()],
@@ -221,7 +226,7 @@ def format_table(summary: dict) -> str:
         ("training", f"{_duration(seconds.get('train', 0))}, {summary['train_steps']} steps "
                      f"(stage 1: {summary['train_steps_per_stage']['1']}, "
                      f"stage 2: {summary['train_steps_per_stage']['2']})"),
-        ("τ", "-" if tau is None else f"{tau:.2f} tokens per target forward"),
+        ("τ", "-" if tau is None else f"{tau:.2f} tokens per target forward{_shape(summary['size'])}"),
         ("acceptance", per_depth or "-"),
         ("tokens/s", f"plain {rates.get('baseline', 0):.1f}, speculative {rates.get('speculative', 0):.1f}"),
         ("speedup", "-" if speedup is None else f"{speedup:.2f}x ({match})"),
@@ -233,14 +238,19 @@ def format_table(summary: dict) -> str:
     return "\n".join([title, *(f"  {label:<{width}}  {value}" for label, value in rows)])
 
 
+def _shape(size: dict) -> str:
+    """' (the draft flags, dtype)' of the exactness eval, where the summary records them."""
+    return f" ({' '.join(size['eval_draft'])}, {size['eval_dtype']})" if size.get("eval_draft") else ""
+
+
 def _speed_rows(speed: dict | None) -> list[tuple[str, str]]:
     """The table's rows for the second eval, in the dtype the hardware runs fastest (none if not run)."""
     if not speed:
         return []
     rates = speed["tokens_per_second"] or {}
     compared, differing = speed["answers_compared"] or 0, speed["answers_differing"]
-    return [(f"in {speed['dtype']}", f"τ {speed['acceptance_length']:.2f}, plain {rates.get('baseline', 0):.1f}, "
-                                     f"speculative {rates.get('speculative', 0):.1f} tokens/s"),
+    return [(f"in {speed['dtype']}", f"τ {speed['acceptance_length']:.2f} ({speed['draft']}), plain "
+                                     f"{rates.get('baseline', 0):.1f}, speculative {rates.get('speculative', 0):.1f} tokens/s"),
             (f"speedup {speed['dtype']}", f"{speed['speedup']:.2f}x ({compared - differing} of {compared} answers "
                                           f"identical to plain {speed['dtype']} decoding; half precision rounds "
                                           "one-token and many-token passes differently)")]
