@@ -1,6 +1,6 @@
 """P1 and P7 (not a test): extraction throughput against a bare forward, and 2 Ray workers against 1.
 
-P1 = tokens/s of `extract` (Ray Data, tokenize, forward with hidden states, store writes; forward stage
+P1 = tokens/s of `extract` (streamed tokenize tasks, forward actors with hidden states, store writes; forward stage
 wall time) ÷ tokens/s of a bare `model.model` forward over the same samples one at a time, same dtype,
 same process, same threads. P7 = forward-stage tokens/s with 2 CPU workers ÷ 1 worker, one torch thread
 per worker on both sides (ExtractConfig.threads), so the ratio measures scale-out and not threading.

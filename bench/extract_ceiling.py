@@ -1,6 +1,6 @@
 """The extraction ceiling (not a test): the rate above which GPUs would wait on us.
 
-The real extraction path (`run_extract`: Ray Data tokenize tasks, the ShardExtractor actor with its two
+The real extraction path (`run_extract`: streamed tokenize tasks, the ShardExtractor actor with its two
 overlapping shard threads, storage conversion, `write_shard` with its hashes and fsyncs, the manifest) runs
 with the target's forward replaced, inside the Ray workers, by a producer of random states of the real shape
 and dtype at unlimited rate (slices of one buffer drawn at start). What is left is everything we add around
