@@ -52,7 +52,7 @@ def bare_forward(store_url: str, threads: int) -> float:
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.bfloat16).eval()
     store = open_store(store_url)
-    samples = [store[i]["input_ids"] for i in range(len(store))]
+    samples = [torch.as_tensor(store[i]["input_ids"]) for i in range(len(store))]  # the store gives numpy
     with torch.inference_mode():
         model.model(input_ids=samples[0][None])                       # warm-up
         start = time.perf_counter()

@@ -108,3 +108,13 @@ def test_a_tied_lm_head_is_stored_as_its_own_tensor(tmp_path):
     write_head(str(tmp_path / "store"), **head)
     loaded = load_file(str(tmp_path / "store" / "head.safetensors"))
     assert torch.equal(loaded["lm_head"], loaded["embed_tokens"])
+
+
+def test_the_default_batch_follows_the_device_kind_and_an_explicit_one_wins():
+    """A CPU forwards faster in small batches (their activations stay in the caches), a GPU in large ones."""
+    from pipeline.extract.pipeline import DEFAULT_BATCH_TOKENS, ExtractConfig, default_batch_tokens
+
+    config = ExtractConfig(model_path="m", data=("d.jsonl",), out="o")
+    assert default_batch_tokens(config, "CPU") == DEFAULT_BATCH_TOKENS["CPU"] < DEFAULT_BATCH_TOKENS["GPU"]
+    assert default_batch_tokens(config, "GPU") == DEFAULT_BATCH_TOKENS["GPU"]
+    assert default_batch_tokens(ExtractConfig(model_path="m", data=("d.jsonl",), out="o", batch_tokens=512), "GPU") == 512

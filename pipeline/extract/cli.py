@@ -59,8 +59,9 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--max-length", default=2048, show_default=True, help="Truncate samples at this many tokens.")
 @click.option("--dtype", default="bfloat16", show_default=True,
               type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
-@click.option("--batch-tokens", default=16384, show_default=True,
-              help="Padded tokens per forward batch (rows x longest sample).")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
+              help="Padded tokens per forward batch (rows x longest sample). [16384 on GPUs; 4096 on CPUs, "
+                   "where larger batches forward slower: their activations leave the caches]")
 @click.option("--num-workers", type=int, default=None,
               help="Forward actors. Default: one per GPU, or one CPU actor using all cores.")
 @click.option("--num-gpus-per-worker", type=float, default=1.0, show_default=True,
@@ -80,7 +81,7 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int, ...], max_length: int,
-            dtype: str, batch_tokens: int, num_workers: int | None, num_gpus_per_worker: float,
+            dtype: str, batch_tokens: int | None, num_workers: int | None, num_gpus_per_worker: float,
             device_map: str | None, address: str | None, limit: int | None, max_record_bytes: int,
             samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
             no_progress: bool) -> None:
