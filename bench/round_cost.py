@@ -37,14 +37,22 @@ VERIFIED = (1, 2, 4, 8, 16)
 ROUNDS = {"chain d3": DraftConfig.chain(depth=3), "tree d5 k4 n16": DraftConfig(depth=5, top_k=4, total_tokens=16)}
 
 
-def median_ms(run, repeats: int) -> float:
-    """Median wall time of `run()` in ms over `repeats` calls, after two warm-up calls."""
-    times = []
-    for index in range(repeats + 2):
+WARM_UP = 2  # calls left out of every median (first-call allocations, lazy initialisation)
+
+
+def median_ms(seconds: list[float]) -> float:
+    """Median in ms of timings taken `WARM_UP` calls and more, the warm-up calls left out."""
+    return 1000 * statistics.median(seconds[WARM_UP:])
+
+
+def timed_ms(run, repeats: int) -> float:
+    """Median wall time of `run()` in ms over `repeats` calls after the warm-up."""
+    seconds = []
+    for _ in range(repeats + WARM_UP):
         started = time.perf_counter()
         run()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times[2:])
+        seconds.append(time.perf_counter() - started)
+    return median_ms(seconds)
 
 
 @torch.inference_mode()
@@ -63,7 +71,7 @@ def measure(model_path: str, dtype: str, context: int, draft_vocab: int, repeats
         run_target(model, cache, tokens, context + torch.arange(n), hidden=n > 1, last_logits_only=n == 1)
         keep_cache_positions(cache, past)  # back to the context for the next call
 
-    passes = {n: median_ms(lambda n=n: target_pass(n), repeats) for n in VERIFIED}
+    passes = {n: timed_ms(lambda n=n: target_pass(n), repeats) for n in VERIFIED}
     drafter = untrained_drafter(model, dtype, device)
     if draft_vocab:
         drafter = trained_vocabulary(drafter, list(range(draft_vocab)), set())  # the cost of a reduced head
@@ -72,7 +80,7 @@ def measure(model_path: str, dtype: str, context: int, draft_vocab: int, repeats
     rounds = {}
     for shape, config in ROUNDS.items():
         draft, verify = [], []
-        for index in range(repeats + 2):  # two warm-up rounds
+        for _ in range(repeats + WARM_UP):
             started = time.perf_counter()
             tree = build_draft_tree(backend, int(prompt[-1]), context, config)
             drafted = time.perf_counter()
@@ -81,7 +89,7 @@ def measure(model_path: str, dtype: str, context: int, draft_vocab: int, repeats
             keep_cache_positions(cache, past)
             draft.append(drafted - started)
             verify.append(verified - drafted)
-        draft_ms, verify_ms = (1000 * statistics.median(times[2:]) for times in (draft, verify))
+        draft_ms, verify_ms = median_ms(draft), median_ms(verify)
         rounds[shape] = {"verified": int(tree.tokens.numel()), "draft_ms": draft_ms, "verify_ms": verify_ms,
                          "ratio": (draft_ms + verify_ms) / passes[1]}
     return {"passes": passes, "rounds": rounds}
@@ -103,7 +111,7 @@ def main() -> None:
           f"{args.draft_vocab or 'all'}; ms are medians of {args.repeats}")
     print("| dtype | plain step | " + " | ".join(f"verify {n}" for n in VERIFIED[1:])
           + " | round | draft | verify | round ÷ plain | τ for 1.0x / 1.2x |")
-    print("|---" * (len(VERIFIED) + 7) + "|")
+    print("|---" * (len(VERIFIED) + 6) + "|")
     for dtype in ("bfloat16", "float32"):
         figures = measure(args.model, dtype, args.context, args.draft_vocab, args.repeats)
         passes = figures["passes"]
