@@ -70,18 +70,12 @@ class ActorPool:
     resources: dict[str, float]      # {"num_gpus": n} on a GPU cluster, else {"num_cpus": 1}
     kind: str                        # "GPU" or "CPU", for logs
 
-    def map_batches(self, dataset: Any, actor: type, *, overlap: bool = False, **constructor_kwargs: Any) -> Any:
-        """`dataset` mapped one row at a time through `actor`, one task in flight per actor.
-
-        overlap: two rows in flight per actor, run on two of its threads. The actor must serialise its
-        device work itself (a lock around the forward) so that one row's forward runs while the other row's
-        output is written; the second row in flight is the back-pressure bound."""
+    def map_batches(self, dataset: Any, actor: type, **constructor_kwargs: Any) -> Any:
+        """`dataset` mapped one row at a time through `actor`, one task in flight per actor."""
         import ray.data
 
-        calls = 2 if overlap else 1
-        compute = ray.data.ActorPoolStrategy(size=self.workers, max_tasks_in_flight_per_actor=calls,
-                                             max_concurrent_calls_per_actor=calls,
-                                             enable_true_multi_threading=overlap)
+        compute = ray.data.ActorPoolStrategy(size=self.workers, max_tasks_in_flight_per_actor=1,
+                                             max_concurrent_calls_per_actor=1, enable_true_multi_threading=False)
         return dataset.map_batches(actor, batch_size=1, **self.resources, compute=compute,
                                    fn_constructor_kwargs=constructor_kwargs)
 
