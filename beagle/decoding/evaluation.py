@@ -11,7 +11,6 @@ Measures:
 from __future__ import annotations
 
 import logging
-import resource
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -19,6 +18,7 @@ import torch
 
 from beagle.decoding.generate import GenerationResult, plain_generate, speculative_generate
 from beagle.decoding.tree import DraftConfig
+from beagle.host_memory import peak_rss_mib
 from beagle.prompts import TEXT_ROLE, PromptItem, render
 
 logger = logging.getLogger(__name__)
@@ -100,10 +100,6 @@ class EvalSummary:
         }
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
-
-
 def _answer(model, prompt_ids, max_new_tokens, eos_ids, config, seed, drafter=None) -> GenerationResult:
     generator = torch.Generator(device=prompt_ids.device).manual_seed(seed)
     if drafter is None:
@@ -151,7 +147,7 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
                                            seed + 1000 * index, device, side)
             for result in per_side[name]:
                 totals.add(result)
-            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _peak_rss_mb()
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_rss_mib()
             peaks[name] = max(peaks[name], peak)
         for turn, (plain, spec) in enumerate(zip(per_side["baseline"], per_side["speculative"])):
             compared += config.temperature == 0
@@ -165,7 +161,7 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
                                 "baseline": tokenizer.decode(plain.tokens, skip_special_tokens=True),
                                 "speculative": tokenizer.decode(spec.tokens, skip_special_tokens=True)})
     if device.type != "cuda":
-        peaks = {"process_peak_rss": _peak_rss_mb()}
+        peaks = {"process_peak_rss": peak_rss_mib()}
     return EvalSummary(baseline=baseline, speculative=speculative, mismatches=mismatches, num_prompts=len(items),
                        max_new_tokens=max_new_tokens, config=config, peak_memory_mb=peaks, answers=answers,
                        answers_compared=compared)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 from beagle.devices import torch_dtype
+from beagle.host_memory import peak_rss_mib
 from beagle.target_facts import read_target_facts
 from beagle.target_model import check_weights_match, weight_files
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
@@ -382,21 +383,6 @@ def _add_run_facts(summary: ExtractSummary, forwarded: Forwarded, url: str, star
     summary.store_bytes, summary.head_bytes = _store_bytes(url), _head_bytes(url)
     summary.seconds = time.perf_counter() - started
     summary.driver_peak_rss_mib = peak_rss_mib()
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, in MiB (VmHWM; ru_maxrss where there is no /proc)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-    import sys
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def _store_bytes(url: str) -> int:
