@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,8 +35,6 @@ from beagle.precision import cpu_has_native_bf16  # noqa: E402
 VERIFIED = (1, 2, 4, 8, 16)
 # Whole shapes, never cut by confidence: what a round costs when it drafts all it can.
 ROUNDS = {"chain d3": DraftConfig.chain(depth=3), "tree d5 k4 n16": DraftConfig(depth=5, top_k=4, total_tokens=16)}
-
-
 WARM_UP = 2  # calls left out of every median (first-call allocations, lazy initialisation)
 
 
