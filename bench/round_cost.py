@@ -27,6 +27,7 @@ from bench.decode import untrained_drafter  # noqa: E402
 from beagle.decoding.draft_vocab import trained_vocabulary  # noqa: E402
 from beagle.decoding.drafters import draft_backend  # noqa: E402
 from beagle.decoding.kv_cache import keep_cache_positions  # noqa: E402
+from beagle.decoding.packed_linear import pack_for_decoding  # noqa: E402
 from beagle.decoding.loading import load_target  # noqa: E402
 from beagle.decoding.tree import DraftConfig, build_draft_tree  # noqa: E402
 from beagle.decoding.verify import new_cache, run_target, verify_tree  # noqa: E402
@@ -73,6 +74,7 @@ def measure(model_path: str, dtype: str, context: int, draft_vocab: int, repeats
     drafter = untrained_drafter(model, dtype, device)
     if draft_vocab:
         drafter = trained_vocabulary(drafter, list(range(draft_vocab)), set())  # the cost of a reduced head
+    pack_for_decoding(drafter)  # as eval drafts (beagle/decoding/packed_linear.py)
     backend = draft_backend(drafter, True)
     backend.append(prefill.hidden.to(next(drafter.parameters()).dtype), past, prompt)
     rounds = {}

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from beagle.decoding.packed_linear import pack_for_decoding
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,7 +57,16 @@ def select_draft_vocabulary(drafter: nn.Module, meta: dict, size: int | None, st
     """The drafter `eval` and `bench/decode.py` draft with, and a line saying which vocabulary it scores.
 
     size N > 0: the N tokens most often predicted in `stores` (default: the drafter's training stores);
-    None: the vocabulary it was trained on (`train --draft-vocab`) when it has one, else all; 0: all."""
+    None: the vocabulary it was trained on (`train --draft-vocab`) when it has one, else all; 0: all.
+    Its linear layers are packed for the CPU's bf16 units where that gives identical results
+    (`packed_linear.py`): the returned drafter is for decoding, not for training."""
+    drafter, note = _with_draft_vocabulary(drafter, meta, size, stores, eos)
+    pack_for_decoding(drafter)
+    return drafter, note
+
+
+def _with_draft_vocabulary(drafter: nn.Module, meta: dict, size: int | None, stores: list[str],
+                           eos: set[int]) -> tuple[nn.Module, str | None]:
     if size:
         stores = list(stores) or list(meta.get("stores") or [])
         if not stores:
@@ -80,7 +91,11 @@ class ReducedVocabDrafter(nn.Module):
         self.config = drafter.config
         self.layer_fusion = getattr(drafter, "layer_fusion", None)  # shared: fused keys fuse as the drafter does
         self.register_buffer("tokens", tokens.to(drafter.lm_head.device), persistent=False)
-        self.register_buffer("head", drafter.lm_head[self.tokens].contiguous(), persistent=False)  # [N, d]
+        # The subset's rows of the LM head [N, d], in the drafter's dtype, as a frozen linear layer (which
+        # decoding may pack for the CPU's bf16 units, beagle/decoding/packed_linear.py).
+        rows = drafter.lm_head[self.tokens].to(next(drafter.parameters()).dtype)
+        self.head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+        self.head.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
 
     def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.drafter.project_keys(states, positions)
@@ -107,7 +122,7 @@ class ReducedVocabDrafter(nn.Module):
 
     def compact_logits(self, hidden: Tensor) -> Tensor:
         """[B, Lq, d] -> [B, Lq, N]: logits of the subset, column j for token `tokens[j]`."""
-        return hidden @ self.head.to(hidden.dtype).T
+        return self.head(hidden.to(self.head.weight.dtype))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[B, Lq, d] -> [B, Lq, V], scored on the subset only (every other token -inf)."""
