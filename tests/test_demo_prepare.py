@@ -329,7 +329,7 @@ def test_cli_prepares_then_says_there_is_nothing_to_do(fake_site, tmp_path: Path
 # ---------------------------------------------------------------------------------------------- the runner
 
 
-@pytest.mark.parametrize("size", ["default", "smoke"])
+@pytest.mark.parametrize("size", ["default", "default-bf16", "smoke"])
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, native_bf16: bool, tmp_path: Path) -> None:
     """The demo calls the CLI by flags; a renamed or removed flag must fail here, not after 20 minutes."""
@@ -383,3 +383,25 @@ def test_final_table_shows_every_measure(tmp_path: Path) -> None:
                      "1.09x (4 of 10 answers identical to plain bfloat16 decoding"]:
         assert expected in table, expected
     assert run._mean_accuracy([{"accuracy": [0.5, None]}, {"accuracy": [0.25, 0.5]}]) == [0.375, 0.5]
+
+
+def test_the_default_size_follows_the_hardware_and_a_run_of_another_size_starts_afresh(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    from pipeline.demo import run
+
+    for native, expected in ((True, "default-bf16"), (False, "default")):
+        monkeypatch.setattr(run, "hardware_runs_bf16", lambda native=native: native)
+        assert run.default_size_name() == expected
+    assert run.SIZES["default-bf16"].prompts == 2 * run.SIZES["default"].prompts
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "answers.jsonl").write_text("{}\n")
+    run._forget_other_sizes(out, run.SIZES["default"])  # no record of its size: made by an older demo
+    assert not out.exists()
+    out.mkdir()
+    (out / run.SIZE_MARKER).write_text(run._size_record(run.SIZES["default"]))
+    (out / "answers.jsonl").write_text("{}\n")
+    run._forget_other_sizes(out, run.SIZES["default"])  # same size: answers and store are kept (resumed)
+    assert (out / "answers.jsonl").is_file()
+    run._forget_other_sizes(out, run.SIZES["default-bf16"])
+    assert not out.exists()

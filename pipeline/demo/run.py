@@ -68,6 +68,12 @@ SIZES = {
     "default": DemoSize("default", prompts=560, max_new_tokens_answer=192, max_prompt_length=256,
                         max_length=1024, stage1_epochs=8, stage2_epochs=4, train_batch_tokens=4096,
                         draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
+    # Where the CPU multiplies bf16 natively, regeneration and training run about twice as fast, so the same
+    # 30 minutes hold twice the target's answers, and more of them is what raises τ (the scaling study,
+    # docs/benchmarks.md): 1,120 prompts, ~200k tokens, the same epochs (~660 steps).
+    "default-bf16": DemoSize("default-bf16", prompts=1120, max_new_tokens_answer=192, max_prompt_length=256,
+                             max_length=1024, stage1_epochs=8, stage2_epochs=4, train_batch_tokens=4096,
+                             draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
     "smoke": DemoSize("smoke", prompts=16, max_new_tokens_answer=24, max_prompt_length=256, max_length=256,
                       stage1_epochs=1, stage2_epochs=1, train_batch_tokens=1024, draft_vocab=8192, lr=1e-3,
                       warmup_steps=2, eval_prompts=1, max_new_tokens=24),
@@ -141,6 +147,30 @@ def hardware_runs_bf16() -> bool:
     from beagle.precision import cpu_has_native_bf16
 
     return torch.cuda.is_available() or cpu_has_native_bf16()
+
+
+SIZE_MARKER = "size.json"  # the DemoSize a run folder's answers and store were made for
+
+
+def _size_record(size: DemoSize) -> str:
+    return json.dumps(asdict(size), sort_keys=True) + "\n"
+
+
+def _forget_other_sizes(out: Path, size: DemoSize) -> None:
+    """Start `out` afresh when it holds a run of another size (or of a version that did not record one):
+    `regenerate` and `extract` rightly refuse to mix answers or stores made from other inputs."""
+    marker = out / SIZE_MARKER
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if marker.is_file() and marker.read_text(encoding="utf-8") == _size_record(size):
+        return
+    print(f"{out} holds a demo run of another size; starting it afresh for size {size.name}", flush=True)
+    shutil.rmtree(out)
+
+
+def default_size_name() -> str:
+    """The demo's size on this machine: twice the data where the hardware multiplies bf16 natively."""
+    return "default-bf16" if hardware_runs_bf16() else "default"
 
 
 def run_steps(steps: list[tuple[str, list[str]]], program: list[str]) -> list[StepResult]:
@@ -265,21 +295,26 @@ def _duration(seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.demo.run", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="Toy scale: the same path in a few minutes.")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help="How much data and training [default-bf16 where the hardware multiplies bf16 natively, "
+                             "else default; smoke with --smoke].")
     parser.add_argument("--out", type=Path, default=None, help="Run folder [runs/demo or runs/demo-smoke].")
     parser.add_argument("--cache-dir", type=Path, default=None, help="Demo cache [$BEAGLE_CACHE/demo or .cache/demo].")
     parser.add_argument("--no-progress", action="store_true", help="No progress bars (for logs and CI).")
     args = parser.parse_args(argv)
 
-    size = SIZES["smoke" if args.smoke else "default"]
-    out = (args.out or Path("runs") / ("demo-smoke" if args.smoke else "demo")).resolve()
+    size = SIZES[args.size or ("smoke" if args.smoke else default_size_name())]
+    out = (args.out or Path("runs") / ("demo-smoke" if size.name == "smoke" else "demo")).resolve()
     cache = DemoCache((args.cache_dir or default_cache_dir()).resolve())
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local Ray needs no token
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _forget_other_sizes(out, size)
     # The store is kept (extract resumes or finds it complete); the drafter and eval are redone.
     for stale in (out / "train", out / "eval.json", out / f"eval-{size.speed_dtype}.json", out / "acceptance.png",
                   out / "summary.json"):
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    (out / SIZE_MARKER).write_text(_size_record(size), encoding="utf-8")
 
     try:
         results = run_steps(plan(size, cache, out, progress=not args.no_progress), cli_command())
