@@ -137,3 +137,35 @@ def test_invalid_utf8_is_rejected_not_replaced(tmp_path):
     assert [r.text for r in result.records] == ["fine", "also fine é"]
     assert [(r["reason"], r["line"]) for r in result.rejects] == [("invalid_utf8", 2)]
     assert "line 2: byte 13 is not UTF-8" in result.rejects[0]["detail"]
+
+
+def test_a_json_array_is_read_element_by_element_across_any_block_boundary(tmp_path):
+    """.json arrays are streamed (bounded memory), so every block boundary must parse as json.load does."""
+    import random
+
+    from pipeline.extract.inputs import json_array_items
+
+    rng = random.Random(0)
+
+    def value(depth=0):
+        roll = rng.random()
+        if depth > 3 or roll < 0.3:
+            return rng.choice([1, -2.5e10, 12345678901234567890123, 'a"b\\é ✓', True, None, 0.1, ""])
+        if roll < 0.65:
+            return [value(depth + 1) for _ in range(rng.randint(0, 4))]
+        return {f"k{i}": value(depth + 1) for i in range(rng.randint(0, 4))}
+
+    path = tmp_path / "rows.json"
+    for _ in range(60):
+        rows = [value() for _ in range(rng.randint(0, 12))]
+        path.write_text(json.dumps(rows, indent=rng.choice([None, 1]), ensure_ascii=rng.random() < 0.5))
+        for block in (1, 2, 3, 7, 1 << 20):
+            assert list(json_array_items(path, 10**6, block)) == rows
+    for broken in ("[1,]", "[1 2]", "[", "[1,", "[1] x", '["abc', "[1]]", "[,1]", "[-2.5e]"):
+        path.write_text(broken)
+        for block in (1, 3, 100):
+            with pytest.raises(ValueError):
+                list(json_array_items(path, 10**6, block))
+    path.write_text(json.dumps([{"text": "x" * 5000}, 1]))
+    with pytest.raises(ValueError, match="longer than 1,000 characters"):
+        list(json_array_items(path, 1000, 64))

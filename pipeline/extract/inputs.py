@@ -203,13 +203,12 @@ def iter_raw_records(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_B
             is_array = probe.read(4096).lstrip().startswith(b"[")
         if is_array:
             try:
-                with open(path, encoding="utf-8") as handle:
-                    data = json.load(handle)
+                # elements a little over the limit are still read, and rejected as too_large record by record
+                for i, row in enumerate(json_array_items(path, max_element_chars=4 * max_record_bytes)):
+                    yield i, row, None, None
             except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, int too long, nesting
                 raise ValueError(f"--data {path}: not valid JSON ({_parse_error(exc)}); fix the file or convert "
                                  "it to JSONL, where a bad line is rejected on its own") from None
-            for i, row in enumerate(data):
-                yield i, row, None, None
             return
     with open(path, "rb") as handle:  # bytes: a line's size is checked before it is decoded or parsed
         for i, raw in enumerate(handle):
@@ -244,6 +243,74 @@ def _text_bytes(value: Any) -> int:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return total
+
+
+JSON_BLOCK_CHARS = 1 << 20  # characters read at a time from a .json array
+_WHITESPACE = frozenset(" \t\n\r")
+_ELEMENT_ENDS = _WHITESPACE | {",", "]"}
+
+
+def json_array_items(path: Path, max_element_chars: int, block_chars: int = JSON_BLOCK_CHARS) -> Iterator[Any]:
+    """The elements of the top-level JSON array in `path`, parsed one at a time: a .json file of any size is
+    read in bounded memory (an element of at most `max_element_chars` plus a block), as JSONL is, and the
+    streaming driver's two passes never hold the whole dataset. Raises ValueError (json.JSONDecodeError)
+    where the file stops being one valid JSON array, or at an element longer than `max_element_chars` (an
+    invalid one is only known invalid once read to its end), after yielding the elements before it."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as handle:
+        text, position, at_end = "", 0, False
+
+        def refill() -> bool:
+            """Append a block (dropping what was parsed), at least as long as what is left unparsed, so that
+            an element spanning many blocks is parsed O(log) times, not once per block; False at the end."""
+            nonlocal text, position, at_end
+            block = handle.read(max(block_chars, len(text) - position))
+            text, position, at_end = text[position:] + block, 0, not block
+            return bool(block)
+
+        def next_character() -> str:
+            """The next non-whitespace character, not consumed ('' at the end of the file)."""
+            nonlocal position
+            while True:
+                while position < len(text) and text[position] in _WHITESPACE:
+                    position += 1
+                if position < len(text) or not refill():
+                    return text[position] if position < len(text) else ""
+
+        def fail(message: str) -> json.JSONDecodeError:
+            return json.JSONDecodeError(message, text, position)
+
+        if next_character() != "[":
+            raise fail("expected '[' to open the array")
+        position += 1
+        if next_character() == "]":
+            position += 1
+        else:
+            while True:
+                while True:  # one element: parsed again with more text until a delimiter shows it complete
+                    try:
+                        item, end = decoder.raw_decode(text, position)
+                        # "-2" of "-2.5e10" parses: an element is whole only once a delimiter follows it
+                        if at_end or (end < len(text) and text[end] in _ELEMENT_ENDS):
+                            break
+                    except json.JSONDecodeError:
+                        if at_end:
+                            raise
+                    if len(text) - position > max_element_chars:
+                        raise fail(f"an element longer than {max_element_chars:,} characters, or invalid")
+                    refill()
+                position = end
+                yield item
+                separator = next_character()
+                position += 1
+                if separator == "]":
+                    break
+                if separator != ",":
+                    position -= 1
+                    raise fail("expected ',' or ']' after an array element")
+                next_character()  # a value must follow the comma (refilled here if needed)
+        if next_character() != "":
+            raise fail("extra data after the array")
 
 
 def _parse_error(exc: Exception) -> str:
