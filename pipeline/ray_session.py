@@ -11,7 +11,8 @@ def connect_ray(address: str | None, workers: int | None) -> bool:
     """Join `address` (or $RAY_ADDRESS), else start a local Ray sized to this machine.
 
     Returns True if we started it (the caller then shuts it down). A local Ray gets logical CPUs >= actors
-    + 1, so that light tasks (tokenizing) never wait behind the model actors.
+    + 1, so that Ray Data's read tasks (regenerate's input) never wait behind the model actors; extraction's
+    tokenize tasks reserve no CPU and run beside the actors either way.
     """
     import ray
 
@@ -53,10 +54,14 @@ def configure_ray_data() -> None:
     context.execution_no_progress_timeout_s = -1
 
 
-def quiet_ray_loggers() -> None:
-    """Ray Data logs every execution at INFO; keep the CLI's output to our own lines unless -v."""
+def quiet_ray_loggers(*, ray_data: bool = True) -> None:
+    """Keep the CLI's output to our own lines unless -v: Ray logs at INFO, and Ray Data every execution.
+
+    `ray_data=False` (extraction, which feeds its own actors) leaves `ray.data` unimported: importing it only
+    to quiet it would add its modules to the driver's memory."""
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
-        import ray.data  # noqa: F401 - configures its loggers on import; quiet them afterwards
+        if ray_data:
+            import ray.data  # noqa: F401 - configures its loggers on import; quiet them afterwards
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.ERROR)
 

@@ -94,7 +94,7 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
     from pipeline.store import StoreError
 
     if not dry_run:
-        quiet_ray_loggers()
+        quiet_ray_loggers(ray_data=False)  # extraction feeds its own actors, never through Ray Data
 
     config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
                            dtype=dtype, batch_tokens=batch_tokens, num_workers=num_workers,
