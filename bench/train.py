@@ -5,6 +5,7 @@ same batch, and the data-wait fraction of the store loader.
     python bench/train.py --preset tiny        # seconds, for a smoke check
     python bench/train.py --device cuda        # bf16 autocast, allocator peak
     python bench/train.py --json p9.json       # also P9: training tokens/s in bf16 autocast ÷ fp32, same steps
+                                               # on the demo's 4,096-token batches (rows of --length)
 
 Memory: on CUDA the allocator's peak above the model; on CPU the bytes autograd keeps for backward
 (bench.profiling), which is what grows with simulation steps. Random weights and states: the timing
@@ -28,6 +29,7 @@ from beagle.data import Batch, Loader, StoreSet, plan_epoch  # noqa: E402
 from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary  # noqa: E402
 from beagle.precision import cpu_has_native_bf16, keep_frozen_head_in  # noqa: E402
 from beagle.stages import StageSettings, stage1_loss, stage2_loss  # noqa: E402
+from beagle.trainer import build_optimizer  # noqa: E402
 from bench.common import emit, record  # noqa: E402
 from bench.profiling import count_saved_bytes  # noqa: E402
 from pipeline.extract.store_tensors import write_store  # noqa: E402
@@ -56,7 +58,7 @@ def _batch(cfg: DrafterConfig, B: int, L: int, device: torch.device) -> Batch:
 
 def _measure(model, batch, loss_fn, settings, device, autocast, repeats):
     """(median seconds per optimizer step, memory bytes)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = build_optimizer(model, device, lr=1e-5)  # as the trainer steps
     times, memory = [], 0
     for i in range(repeats + 1):
         if device.type == "cuda":
@@ -111,10 +113,15 @@ def _data_wait(cfg: DrafterConfig, model, device, autocast, samples: int, L: int
     return waited / total
 
 
-def precision_ratio(cfg: DrafterConfig, batch: Batch, device: torch.device, draft_vocab: int, repeats: int,
+DEMO_BATCH_TOKENS = 4096  # the demo's `train --batch-tokens`
+
+
+def precision_ratio(cfg: DrafterConfig, length: int, device: torch.device, draft_vocab: int, repeats: int,
                     json_path: str | None) -> None:
-    """P9: the demo's training step (stage 1 and stage 2 s=4 over the draft vocabulary) timed in fp32 and
-    in bf16 autocast with the loss head kept in bf16, as the trainer runs them; tokens/s ratio."""
+    """P9: the demo's training step (a batch of its 4,096 tokens in rows of `length`; stage 1 and stage 2
+    s=4 over the draft vocabulary) timed in fp32 and in bf16 autocast with the loss head kept in bf16, as
+    the trainer runs them; tokens/s ratio."""
+    batch = _batch(cfg, max(1, DEMO_BATCH_TOKENS // length), length, device)
     torch.manual_seed(0)
     seconds = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -161,7 +168,7 @@ def main() -> None:
                           torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).to(device)
     batch = _batch(cfg, args.batch, args.length, device)
     if args.only_p9:
-        precision_ratio(cfg, batch, device, args.draft_vocab, args.repeats, args.json)
+        precision_ratio(cfg, args.length, device, args.draft_vocab, args.repeats, args.json)
         return
     k = args.window_size
     tokens = args.batch * args.length
@@ -184,7 +191,7 @@ def main() -> None:
         print(f"{name:<34}{seconds * 1e3:>10.1f}{tokens / seconds:>11.0f}{memory / 2**20:>24.1f}")
     fraction = _data_wait(cfg, model, device, autocast, args.store_samples, args.length, tokens)
     print(f"data-wait fraction (stage 1 over a {args.store_samples}-sample bf16 store): {fraction:.3f}")
-    precision_ratio(cfg, batch, device, args.draft_vocab, args.repeats, args.json)
+    precision_ratio(cfg, args.length, device, args.draft_vocab, args.repeats, args.json)
 
 
 if __name__ == "__main__":
