@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from beagle.data import Batch
-from beagle.losses import DepthSums, LossSums, beta_weights, depth_sums, drafter_loss_sums
+from beagle.losses import DepthSums, LossSums, beta_weights, default_vocab_chunk, depth_sums, drafter_loss_sums
 from beagle.masks import depth, depth_positions, stage1_mask, stage2_mask, window_index
 from beagle.model import BeagleDrafter, fuse_key_states, loss_head
 from beagle.train_config import TrainConfig
@@ -42,7 +42,8 @@ class StageSettings:
         """The settings of a training run; `state_rms` turns the relative noise into an absolute std."""
         return cls(window_size=config.window_size, simulation_steps=config.simulation_steps,
                    noise_std=config.noise_std * state_rms, regression_weight=config.regression_weight,
-                   vocab_chunk=config.vocab_chunk, detach_feedback=config.detach_feedback,
+                   vocab_chunk=config.vocab_chunk or default_vocab_chunk(device),
+                   detach_feedback=config.detach_feedback,
                    recompute=config.stage2_recompute, compact_rows=device is None or device.type == "cpu")
 
 

@@ -40,7 +40,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
-    vocab_chunk: int = 8192               # soft cross-entropy computed over this many vocab rows at once
+    vocab_chunk: int | None = None        # soft cross-entropy over this many vocab rows at once; None: by device
     draft_vocab: int = 0                  # N > 0: token loss over the N most frequent predicted tokens only
     # runtime
     seed: int = 0
@@ -66,7 +66,7 @@ class TrainConfig:
             (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
             (self.noise_std >= 0, "noise_std must be >= 0"),
             (self.grad_clip > 0, "grad_clip must be > 0"),
-            (self.vocab_chunk >= 1, "vocab_chunk must be >= 1"),
+            (self.vocab_chunk is None or self.vocab_chunk >= 1, "vocab_chunk must be >= 1"),
             (self.draft_vocab >= 0, "draft_vocab must be >= 0 (0 = the full vocabulary)"),
             (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
         ]

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from beagle.data import Batch, Loader, StoreSet, plan_epoch  # noqa: E402
+from beagle.losses import default_vocab_chunk  # noqa: E402
 from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary  # noqa: E402
 from beagle.precision import cpu_has_native_bf16, keep_frozen_head_in  # noqa: E402
 from beagle.stages import StageSettings, stage1_loss, stage2_loss  # noqa: E402
@@ -42,10 +43,11 @@ PRESETS = {
 }
 
 
-def _settings(window_size: int, simulation_steps: int, **overrides) -> StageSettings:
-    """The method's defaults (noise 0.2, regression weight 10, vocabulary chunks of 8192) at k and s."""
+def _settings(window_size: int, simulation_steps: int, device: torch.device = torch.device("cpu"),
+              **overrides) -> StageSettings:
+    """The method's defaults (noise 0.2, regression weight 10, the trainer's vocabulary chunk on `device`)."""
     return StageSettings(window_size=window_size, simulation_steps=simulation_steps, noise_std=0.2,
-                         regression_weight=10.0, vocab_chunk=8192, **overrides)
+                         regression_weight=10.0, vocab_chunk=default_vocab_chunk(device), **overrides)
 
 
 def _batch(cfg: DrafterConfig, B: int, L: int, device: torch.device) -> Batch:
@@ -95,7 +97,7 @@ def _data_wait(cfg: DrafterConfig, model, device, autocast, samples: int, L: int
                     tokenizer={"name": "none"}, capture={"layers": [-1], "dtype": "bfloat16", "max_length": L},
                     source={"name": "random"})
         data = StoreSet([url])
-        settings = _settings(5, 4)
+        settings = _settings(5, 4, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         waited = total = 0.0
         plan = plan_epoch(data.lengths, batch_tokens=batch_tokens, limit=L, seed=0, epoch=0)
@@ -131,7 +133,7 @@ def precision_ratio(cfg: DrafterConfig, length: int, device: torch.device, draft
             restrict_loss_vocabulary(model, torch.arange(draft_vocab))
         keep_frozen_head_in(model, dtype)
         seconds[dtype] = sum(
-            _measure(model, batch, fn, _settings(5, s), device, dtype == torch.bfloat16, repeats)[0]
+            _measure(model, batch, fn, _settings(5, s, device), device, dtype == torch.bfloat16, repeats)[0]
             for fn, s in ((stage1_loss, 5), (stage2_loss, 4)))
     ratio = seconds[torch.float32] / seconds[torch.bfloat16]
     tokens = batch.input_ids.numel() * 2
@@ -176,15 +178,15 @@ def main() -> None:
           f"threads {torch.get_num_threads()}")
     memory_kind = "peak alloc MiB" if device.type == "cuda" else "saved-for-backward MiB"
     print(f"{'run':<34}{'step ms':>10}{'tokens/s':>11}{memory_kind:>24}")
-    rows = [("stage 1", stage1_loss, _settings(k, k))]
-    rows += [(f"stage 2 s={s}", stage2_loss, _settings(k, s)) for s in range(1, k + 1)]
-    rows += [(f"stage 2 s={s} no recompute", stage2_loss, _settings(k, s, recompute=False)) for s in (1, k)]
+    rows = [("stage 1", stage1_loss, _settings(k, k, device))]
+    rows += [(f"stage 2 s={s}", stage2_loss, _settings(k, s, device)) for s in range(1, k + 1)]
+    rows += [(f"stage 2 s={s} no recompute", stage2_loss, _settings(k, s, device, recompute=False)) for s in (1, k)]
     models = [model] * len(rows)
     if 0 < args.draft_vocab < cfg.vocab_size:
         reduced = BeagleDrafter(cfg, model.embed_tokens, model.lm_head).to(device)
         restrict_loss_vocabulary(reduced, torch.arange(args.draft_vocab))  # which tokens does not change the cost
-        rows += [(f"stage 1, draft vocab {args.draft_vocab}", stage1_loss, _settings(k, k)),
-                 (f"stage 2 s=4, draft vocab {args.draft_vocab}", stage2_loss, _settings(k, min(4, k)))]
+        rows += [(f"stage 1, draft vocab {args.draft_vocab}", stage1_loss, _settings(k, k, device)),
+                 (f"stage 2 s=4, draft vocab {args.draft_vocab}", stage2_loss, _settings(k, min(4, k), device))]
         models += [reduced, reduced]
     for (name, fn, settings), run_model in zip(rows, models):
         seconds, memory = _measure(run_model, batch, fn, settings, device, autocast, args.repeats)

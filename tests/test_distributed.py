@@ -90,7 +90,9 @@ def _assert_same_run(single: Path, multi: Path) -> None:
     assert [m["stage"] for m in mb] == [1, 1, 2, 2]
     for x, y in zip(ma, mb):
         assert x["tokens"] == y["tokens"] and x["rows"] == y["rows"]
-        assert abs(x["loss"] - y["loss"]) < 1e-4 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-3 * x["grad_norm"]
+        # the logged loss sums every row's terms, per rank then across ranks: agreement to ~6 digits of its value
+        assert abs(x["loss"] - y["loss"]) < 2e-5 * max(1.0, abs(x["loss"])), (x["loss"], y["loss"])
+        assert abs(x["grad_norm"] - y["grad_norm"]) < 1e-3 * x["grad_norm"]
     # training moved the weights: a run that did nothing could not pass
     assert any(not torch.allclose(a[n], torch.zeros_like(a[n])) for n in a)
 
