@@ -2,7 +2,7 @@
 chunks so the [N, V] logits are never held in memory, plus SmoothL1 regression of the states.
 
 Why a custom autograd function: with V ~ 50k the logits dominate both time and memory. The loss
--Σ_v p_v log q_v = lse(z) - Σ_v p_v z_v needs only running sums per chunk, and its gradient
+-Σ_v p_v log q_v = lse(z) - Σ_v p_v z_v needs only each chunk's log-sum-exps and sums, and its gradient
 (q - p) @ W can be recomputed chunk by chunk in backward.
 """
 from __future__ import annotations
@@ -79,7 +79,9 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
         loss = total_q - (log_share_t.exp() * torch.stack(mean_z, dim=1)).sum(dim=1)   # [N]
         ctx.save_for_backward(hidden, target_hidden, weight, log_share_q, log_share_t)
         ctx.chunk, ctx.mm_dtype = chunk, mm_dtype
-        return loss, _first_argmax(top_q, arg_q), _first_argmax(top_t, arg_t)
+        draft_argmax, target_argmax = _first_argmax(top_q, arg_q), _first_argmax(top_t, arg_t)  # [N] each
+        ctx.mark_non_differentiable(draft_argmax, target_argmax)
+        return loss, draft_argmax, target_argmax
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _g1, _g2):  # type: ignore[override]

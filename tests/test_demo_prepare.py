@@ -5,6 +5,7 @@ Nothing here touches the real 100 MB demo packages or the network.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -402,6 +403,9 @@ def test_the_default_size_follows_the_hardware_and_a_run_of_another_size_starts_
     (out / run.SIZE_MARKER).write_text(run._size_record(run.SIZES["default"]))
     (out / "answers.jsonl").write_text("{}\n")
     run._forget_other_sizes(out, run.SIZES["default"])  # same size: answers and store are kept (resumed)
+    assert (out / "answers.jsonl").is_file()
+    other_eval = dataclasses.replace(run.SIZES["default"], speed_draft=("--chain",), stage1_epochs=1)
+    run._forget_other_sizes(out, other_eval)  # training and eval settings: the data stays
     assert (out / "answers.jsonl").is_file()
     run._forget_other_sizes(out, run.SIZES["default-bf16"])
     assert not out.exists()

@@ -150,16 +150,18 @@ def hardware_runs_bf16() -> bool:
     return torch.cuda.is_available() or cpu_has_native_bf16()
 
 
-SIZE_MARKER = "size.json"  # the DemoSize a run folder's answers and store were made for
+SIZE_MARKER = "size.json"  # what a run folder's answers and store were made with
+DATA_FIELDS = ("prompts", "max_new_tokens_answer", "max_prompt_length", "max_length")  # what regenerate/extract read
 
 
 def _size_record(size: DemoSize) -> str:
-    return json.dumps(asdict(size), sort_keys=True) + "\n"
+    return json.dumps({name: getattr(size, name) for name in DATA_FIELDS}, sort_keys=True) + "\n"
 
 
 def _forget_other_sizes(out: Path, size: DemoSize) -> None:
-    """Start `out` afresh when it holds a run of another size (or of a version that did not record one):
-    `regenerate` and `extract` rightly refuse to mix answers or stores made from other inputs."""
+    """Start `out` afresh when its answers and store were made for other data settings (or by a version that
+    did not record them): `regenerate` and `extract` rightly refuse to mix outputs of other inputs. Training
+    and eval settings do not count: those steps are redone on every run anyway."""
     marker = out / SIZE_MARKER
     if not out.is_dir() or not any(out.iterdir()):
         return
