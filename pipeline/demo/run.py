@@ -62,7 +62,8 @@ class DemoSize:
 # vocabulary, plain greedy decoding ~22 tokens/s in fp32. 560 prompts give ~450 answers and ~100k tokens:
 # regenerate ~7 min, extract ~2 min, train eight stage-1 epochs and four stage-2 epochs (~330 steps)
 # ~9.5 min, eval ~2 min; about 21 minutes with preparation. On a CPU with AMX (2026-12-01) training runs in
-# bf16 and everything is faster: regenerate 4.6 min, extract 1, train 4.6, the two evals 1.5 each, ~14 min.
+# bf16 and everything is faster (560 prompts: regenerate 4.6 min, extract 1, train 4.6, the two evals 1.5 each,
+# ~14 min), so there the demo takes default-bf16: regenerate 9.2, extract 1.6, train 6.9, evals 3, ~21 min.
 # Self-distillation (training on the target's own answers) gave τ 1.32 against 1.20 for ShareGPT's answers
 # at the same number of steps; still a weak drafter, hence the confidence-gated chain (docs/benchmarks.md).
 SIZES = {
