@@ -53,7 +53,9 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
                    "EAGLE-3 style; the drafter still predicts and is scored on the last layer. [no]")
 @click.option("--detach-feedback/--no-detach-feedback", default=None,
               help="Cut gradients through fed-back predicted states in stage 2. [no]")
-@click.option("--vocab-chunk", type=int, help="Vocabulary rows per soft cross-entropy chunk. [1024 on a CPU, where the blocks then stay in cache (training 1.6x faster than at 8192); 8192 on a GPU]")
+@click.option("--vocab-chunk", type=int,
+              help="Vocabulary rows per soft cross-entropy chunk. [1024 on a CPU, where the blocks then stay in "
+                   "cache (training 1.6x faster than at 8192); 8192 on a GPU]")
 @click.option("--draft-vocab", type=int,
               help="Train the token loss over the N most frequent predicted tokens only (0: all). Several "
                    "times faster on CPU; the export records them and `eval` drafts over the same. [0]")

@@ -239,9 +239,9 @@ def _train_epochs(run: _Run, on_step: Callable[[dict[str, Any], int], None] | No
 
 def build_optimizer(model: torch.nn.Module, device: torch.device, *, lr: float,
                     betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01) -> torch.optim.AdamW:
-    """AdamW over the drafter's (fp32) parameters, in torch's fused kernel on CPUs and GPUs: one pass per
-    parameter instead of a dozen elementwise ops, which on a CPU is a fixed cost per step that bf16 matmuls
-    do not shrink (bench/train.py, P9)."""
+    """AdamW over the drafter's (fp32) parameters, in torch's fused kernel on CPUs and GPUs (one pass over each
+    parameter instead of several). One builder for the trainer and bench/train.py, so the bench steps as the
+    trainer does; on 2 CPU cores the fused kernel measured within noise of the default (docs/benchmarks.md)."""
     fused = device.type in ("cpu", "cuda")
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay,
                              fused=fused or None)

@@ -98,7 +98,7 @@ def _data_wait(cfg: DrafterConfig, model, device, autocast, samples: int, L: int
                     source={"name": "random"})
         data = StoreSet([url])
         settings = _settings(5, 4, device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        opt = build_optimizer(model, device, lr=1e-5)
         waited = total = 0.0
         plan = plan_epoch(data.lengths, batch_tokens=batch_tokens, limit=L, seed=0, epoch=0)
         t_start = time.perf_counter()
