@@ -302,13 +302,12 @@ def json_array_items(path: Path, max_element_chars: int, block_chars: int = JSON
                 position = end
                 yield item
                 separator = next_character()
+                if separator not in (",", "]"):
+                    raise fail("expected ',' or ']' after an array element")
                 position += 1
                 if separator == "]":
                     break
-                if separator != ",":
-                    position -= 1
-                    raise fail("expected ',' or ']' after an array element")
-                next_character()  # a value must follow the comma (refilled here if needed)
+                next_character()  # raw_decode does not skip the whitespace before the next element
         if next_character() != "":
             raise fail("extra data after the array")
 
