@@ -13,6 +13,7 @@ import torch
 
 from beagle.data import StoreSet, collate
 from beagle.eagle2 import Eagle2Drafter
+from beagle.export import load_drafter
 from beagle.model import BeagleDrafter, fuse_key_states
 from beagle.stages import StageSettings, simulate
 
@@ -104,3 +105,12 @@ def chain_acceptance(model, store_url: str, *, depth: int = 5, samples: int = 16
     tau = 1.0 + sum(lengths) / max(1, len(lengths))
     alphas = [accepted[j] / accepted[j - 1] if accepted[j - 1] else 0.0 for j in range(1, depth + 1)]
     return tau, alphas
+
+
+def score_drafter(drafter_dir: str, store_url: str, head: dict[str, torch.Tensor], *, samples: int,
+                  limit: int, depth: int = 5) -> tuple[float, list[float]]:
+    """(τ, α per depth) of an exported drafter over the first `samples` samples of `store_url`, drafting
+    over its trained vocabulary as `eval` does; `head` is the store's embedding and LM head."""
+    model, meta = load_drafter(drafter_dir, embed_tokens=head["embed_tokens"].float(), lm_head=head["lm_head"].float())
+    vocab = torch.tensor(meta["draft_vocab"]) if meta.get("draft_vocab") else None
+    return chain_acceptance(model, store_url, depth=depth, samples=samples, limit=limit, vocab=vocab)

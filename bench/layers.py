@@ -19,14 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
-from bench.acceptance import chain_acceptance  # noqa: E402
+from bench.acceptance import score_drafter  # noqa: E402
 from bench.common import DEMO_MODEL, DEMO_SHAREGPT, cli, emit, record, require_demo  # noqa: E402
 from bench.quality import DRAFT_VOCAB, train  # noqa: E402
 from bench.quality import _bytes as store_bytes  # noqa: E402
 from beagle.data import StoreSet  # noqa: E402
-from beagle.export import load_drafter  # noqa: E402
+
 
 def _split_conversations(workdir: Path, train: int, held_out: int) -> tuple[Path, Path]:
     """The first `train` ShareGPT lines, and the `held_out` lines after them, as two input files."""
@@ -54,10 +52,8 @@ def _train(store: Path, out: Path, drafter: str, fused: bool, steps: int, batch_
 def score(drafter_dir: Path, held_out: Path, head: dict, max_length: int) -> tuple[float, list[float]]:
     """(τ, α per depth) of an exported drafter: offline chain acceptance (depth 5) over every sample of the
     held-out store, drafting over the drafter's trained vocabulary."""
-    model, meta = load_drafter(drafter_dir, embed_tokens=head["embed_tokens"].float(), lm_head=head["lm_head"].float())
-    vocab = torch.tensor(meta["draft_vocab"]) if meta.get("draft_vocab") else None
-    return chain_acceptance(model, str(held_out), depth=5, samples=len(StoreSet([str(held_out)])), limit=max_length,
-                            vocab=vocab)
+    return score_drafter(str(drafter_dir), str(held_out), head, samples=len(StoreSet([str(held_out)])),
+                         limit=max_length)
 
 
 def _bytes_per_token(store: Path) -> float:

@@ -17,16 +17,13 @@ import os
 import shutil
 import sys
 import tempfile
-
-import torch
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.acceptance import chain_acceptance  # noqa: E402
+from bench.acceptance import score_drafter  # noqa: E402
 from bench.common import cli, emit, record  # noqa: E402
 from beagle.data import StoreSet  # noqa: E402
-from beagle.export import load_drafter  # noqa: E402
 from beagle.store_tensors import open_store  # noqa: E402
 from pipeline.extract.store_tensors import write_store  # noqa: E402
 
@@ -103,10 +100,7 @@ def main() -> None:
     head = StoreSet([f"{work}/bf16"]).load_head()
     scores = {}
     for name, path in runs.items():
-        model, meta = load_drafter(path, embed_tokens=head["embed_tokens"].float(), lm_head=head["lm_head"].float())
-        vocab = torch.tensor(meta["draft_vocab"]) if meta.get("draft_vocab") else None
-        scores[name] = chain_acceptance(model, f"{work}/bf16", depth=5, samples=eval_samples, limit=max_length,
-                                        vocab=vocab)
+        scores[name] = score_drafter(path, f"{work}/bf16", head, samples=eval_samples, limit=max_length)
         print(f"{name}: tau {scores[name][0]:.3f} alpha {[round(a, 3) for a in scores[name][1]]}")
     tb, ab = scores["beagle-bf16"]
     tf, _ = scores["beagle-fp8"]

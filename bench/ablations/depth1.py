@@ -1,0 +1,62 @@
+"""Runner of the depth-1 ablations in docs/training.md ("Ablations of the depth-1 gap"); not a test.
+
+The ablations change the model through a temporary patch that is not in the code base. To rerun one, in
+a scratch clone at the commit the patch was written against:
+
+    git clone -q <repo> /tmp/ablate && cd /tmp/ablate && git checkout 58f6132
+    git apply bench/ablations/depth1.patch      # (copy the patch in first if the checkout predates it)
+    EXP_KV_HEADS=9 python bench/ablations/depth1.py mha beagle 300 --store STORE
+    python bench/ablations/depth1.py k1 beagle 300 --store STORE -- --window-size 1 --simulation-steps 1
+
+Switches of the patch (environment variables, unset = the default model): EXP_KV_HEADS=N (KV heads),
+EXP_STAGE1_BETA=1 (stage-1 rows weighted by β per depth), EXP_ALIBI=T (ALiBi slopes 2^(-T·h/H); -30 puts
+every head on the newest visible key), EXP_DEPTH=1 (a learned depth embedding on the query),
+EXP_XGAIN=G (a learned gain, initialised to G, on the token embedding in the residual), EXP_KEYTOK=1
+(keys hold RMSNorm(h_j) + RMSNorm(Emb(t_j))).
+
+Each run trains as bench/quality.py does (300 steps of 2,048 tokens, stage 1, lr 1e-3, draft vocabulary
+8,192), scores the drafter with bench/acceptance.py (offline chain of 5 on 32 samples) and appends one
+JSON line to <workdir>/results.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.acceptance import score_drafter  # noqa: E402
+from bench.quality import train  # noqa: E402
+from beagle.data import StoreSet  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", help="the run's name (its folder under --workdir)")
+    parser.add_argument("drafter", choices=["beagle", "eagle2"])
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--store", required=True, help="a bf16 store of the demo model (bench/extract.py's P1 store)")
+    parser.add_argument("--workdir", default="runs/ablations/depth1")
+    parser.add_argument("train_flags", nargs="*", help="extra `train` flags, after --")
+    args = parser.parse_args()
+    started = time.time()
+    drafter_dir = train(args.store, f"{args.workdir}/{args.name}", args.drafter, args.steps, 2048, 512,
+                        *args.train_flags)
+    head = StoreSet([args.store]).load_head()
+    tau, alpha = score_drafter(drafter_dir, args.store, head, samples=32, limit=512)
+    line = {"name": args.name, "drafter": args.drafter, "steps": args.steps, "tau": round(tau, 4),
+            "alpha": [round(a, 3) for a in alpha], "seconds": round(time.time() - started),
+            "switches": {k: v for k, v in os.environ.items() if k.startswith("EXP_")},
+            "train_flags": args.train_flags}
+    print(json.dumps(line))
+    with open(f"{args.workdir}/results.jsonl", "a") as results:
+        results.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()
