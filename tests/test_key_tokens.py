@@ -1,8 +1,9 @@
 """Keys that hold their token (`--key-tokens`): each key is RMSNorm_kv(h_j) + RMSNorm_tok(Emb(t_j)).
 
 Why it exists and what it gains is in docs/training.md ("Keys that hold their token"). Here: the keys
-depend on their tokens only when asked; the draft cache pairs every state with its own token after
-rejections, as training does; a run records the option, and its export decodes exactly like plain decoding.
+depend on their tokens only when asked; a chain drafted through the decoding cache matches training's
+simulation; a run records the option, and its export decodes exactly like plain decoding. The cache after
+rejections is checked in tests/test_decoding.py (test_caches_match_a_fresh_forward_after_rejections).
 """
 import json
 from dataclasses import replace
@@ -10,8 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from beagle.decoding import DraftConfig, SpeculativeSession, plain_generate, speculative_generate
-from beagle.decoding.verify import new_cache, run_target
+from bench.acceptance import _beagle_chain_tokens
+from beagle.data import StoreSet, collate
+from beagle.decoding import DraftConfig, plain_generate, speculative_generate
+from beagle.decoding.drafters import BeagleBackend
 from beagle.export import load_drafter
 from beagle.model import BeagleDrafter, DrafterConfig
 from beagle.train_config import TrainConfig
@@ -48,28 +51,6 @@ def test_keys_depend_on_their_tokens_only_when_asked():
         with_tokens.project_keys(states, positions)
 
 
-def test_the_draft_cache_pairs_each_state_with_its_token_after_rejections():
-    """After rounds with rejections, the cached keys equal the keys of the committed sequence projected at
-    once with its own tokens: drafted entries were dropped, accepted ones carry the right token."""
-    target = tiny_target(context_scale=0.15)
-    drafter = _drafter(target, key_tokens=True)
-    prompt = torch.tensor([3, 5, 7, 9])
-    session = SpeculativeSession(target, drafter, DraftConfig(depth=4, top_k=4, total_tokens=16))
-    committed = [session.prefill(prompt)]
-    with torch.inference_mode():
-        rejections = 0
-        for _ in range(6):
-            tokens, acceptance = session.step()
-            committed += tokens
-            rejections += len(acceptance.path) < 4
-        assert rejections > 0
-        sequence = torch.cat([prompt, torch.tensor(committed[:-1])])
-        output = run_target(target, new_cache(target), sequence)
-        keys, values = drafter.project_keys(output.hidden[None], torch.arange(len(sequence))[None], sequence[None])
-        torch.testing.assert_close(session.draft_cache.keys, keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(session.draft_cache.values, values, atol=1e-5, rtol=1e-4)
-
-
 FAST = dict(batch_tokens=160, lr=3e-3, warmup_steps=3, window_size=3, simulation_steps=2, checkpoint_every=100,
             vocab_chunk=128, stage1_epochs=1, stage2_epochs=1, max_steps=6, bf16=False, key_tokens=True)
 SHAPES = {"chain": DraftConfig.chain(depth=3), "tree": DraftConfig(depth=3, top_k=3, total_tokens=8)}
@@ -99,10 +80,6 @@ def test_key_tokens_is_refused_for_the_eagle2_baseline():
 def test_decode_time_chain_matches_the_training_simulation(tmp_path):
     """A chain drafted through the decoding backend (true keys from the cache, each drafted state fed back as
     a key with its own token) drafts the same tokens as the training-time simulation of that window."""
-    from bench.acceptance import _beagle_chain_tokens
-    from beagle.data import StoreSet, collate
-    from beagle.decoding.drafters import BeagleBackend
-
     url = build_tiny_store(tmp_path / "s", num_samples=1, min_len=14, max_len=14)
     data = StoreSet([url])
     head = data.load_head()
