@@ -8,9 +8,6 @@ predicting t_{i+1}. Nothing here knows about data, masks or training.
     x_i  = Emb(t_i)
     u_i  = x_i + W_o · Attn(q = RMSNorm(x_i), k,v = RMSNorm_kv(H_vis))
     ĥ_i  = u_i + MLP(RMSNorm(u_i))
-
-With `key_tokens` a key also holds its own token: k,v come from RMSNorm_kv(h_j) + RMSNorm_tok(Emb(t_j))
-(docs/training.md, "Keys that hold their token").
 """
 from __future__ import annotations
 
@@ -65,9 +62,6 @@ class DrafterConfig:
     # Target layers whose states make a key (HF hidden_states indices, -1 = after the final norm, always
     # last). More than one: the keys of true positions come from a fusion of these layers (docs/training.md).
     key_layers: tuple[int, ...] = (-1,)
-    # Keys also hold the embedding of their own token t_j (docs/training.md): a token-only query can then
-    # find where its token occurred before. False in drafters exported before the option existed.
-    key_tokens: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_layers", tuple(int(layer) for layer in self.key_layers))
@@ -242,7 +236,6 @@ class BeagleDrafter(nn.Module):
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         self.layer_fusion = LayerFusion(c) if c.fused else None
-        self.key_token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.key_tokens else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -252,27 +245,21 @@ class BeagleDrafter(nn.Module):
         if self.layer_fusion is not None:
             self.layer_fusion.reset_parameters()
 
-    def project_keys(self, states: Tensor, positions: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Target (or predicted) states [B, Lk, d] of the tokens [B, Lk] at positions [B, Lk] -> k, v
-        [B, H_kv, Lk, hd]. `tokens` (the token each state was computed at) is needed with `key_tokens` only.
+    def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Target (or predicted) states [B, Lk, d] at positions [B, Lk] -> k, v [B, H_kv, Lk, hd].
 
         Keys are computed once per state and reused by every query (a KV cache at draft time)."""
         B, Lk, _ = states.shape
         c = self.config
         s = self.kv_norm(states)
-        if self.key_token_norm is not None:
-            if tokens is None:
-                raise ValueError("this drafter's keys hold their tokens (key_tokens): pass the token of each state")
-            s = s + self.key_token_norm(F.embedding(tokens, self.embed_tokens).to(s.dtype))      # [B, Lk, d]
         k = self.k_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         return rotary(k, positions, c.rope_theta), v
 
-    def project_true_keys(self, states: Tensor, positions: Tensor, tokens: Tensor | None = None
-                          ) -> tuple[Tensor, Tensor]:
-        """Keys of true target states [B, Lk, n_layers * d] (the key layers, concatenated) of the tokens
-        [B, Lk]: fused, then projected like any state."""
-        return self.project_keys(fuse_key_states(self, states), positions, tokens)
+    def project_true_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys of true target states [B, Lk, n_layers * d] (the key layers, concatenated): fused, then
+        projected like any state."""
+        return self.project_keys(fuse_key_states(self, states), positions)
 
     def forward_hidden(self, input_ids: Tensor, positions: Tensor, k: Tensor, v: Tensor,
                        attn_mask: Tensor) -> Tensor:

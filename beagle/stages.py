@@ -68,7 +68,7 @@ def noisy_keys(model: BeagleDrafter, batch: Batch, noise_std: float,
     if noise_std > 0:
         states = states + noise_std * batch.noise(generator)                                      # [B, L, d]
     positions = torch.arange(L, device=states.device).expand(B, L)
-    k, v = model.project_keys(states, positions, batch.input_ids)
+    k, v = model.project_keys(states, positions)
     return k, v, positions
 
 
@@ -164,7 +164,7 @@ class _SimulationStep:
         if not self.feed_back:
             return results
         fed_back = hidden.detach() if self.settings.detach_feedback else hidden
-        kp, vp = self.model.project_keys(fed_back, q_positions, input_ids[:, self.q_pos])  # [B, H_kv, Lq, hd]
+        kp, vp = self.model.project_keys(fed_back, q_positions)                            # [B, H_kv, Lq, hd]
         return (*results, kp, vp)
 
 

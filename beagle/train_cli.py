@@ -51,10 +51,6 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
 @click.option("--fuse-layers/--no-fuse-layers", default=None,
               help="Make true keys from a fusion of every layer the stores captured (extract --layers 8,16,-1), "
                    "EAGLE-3 style; the drafter still predicts and is scored on the last layer. [no]")
-@click.option("--key-tokens/--no-key-tokens", default=None,
-              help="Beagle: each key also holds its own token's embedding, so a query can find where its token "
-                   "occurred before (offline τ +2-3% on the demo target, mixed in the demo's evals: "
-                   "docs/training.md). [no]")
 @click.option("--detach-feedback/--no-detach-feedback", default=None,
               help="Cut gradients through fed-back predicted states in stage 2. [no]")
 @click.option("--vocab-chunk", type=int,

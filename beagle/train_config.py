@@ -30,7 +30,6 @@ class TrainConfig:
     detach_feedback: bool = False         # cut gradients through fed-back predicted states
     stage2_recompute: bool = True         # recompute each stage-2 step in backward: memory flat in s
     fuse_layers: bool = False             # keys from a fusion of every layer the stores captured (EAGLE-3 style)
-    key_tokens: bool = False              # Beagle: keys also hold their own token's embedding (docs/training.md)
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length), the global batch under DDP
     rank_batch_tokens: int | None = None  # instead: tokens per data-parallel rank; global = this x world size
@@ -70,8 +69,6 @@ class TrainConfig:
             (self.vocab_chunk is None or self.vocab_chunk >= 1, "vocab_chunk must be >= 1"),
             (self.draft_vocab >= 0, "draft_vocab must be >= 0 (0 = the full vocabulary)"),
             (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
-            (not (self.key_tokens and self.drafter == "eagle2"),
-             "key_tokens is a Beagle option: EAGLE-2's keys already fuse each token with a state"),
         ]
         for ok, message in checks:
             if not ok:

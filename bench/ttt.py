@@ -42,7 +42,7 @@ def ttt_forward(model: BeagleDrafter, batch: Batch, settings: StageSettings,
         outputs.append(hidden)
         if step < settings.simulation_steps:
             fed_back = hidden.detach() if settings.detach_feedback else hidden
-            kp, vp = model.project_keys(fed_back, positions, batch.input_ids)     # a new key set per step
+            kp, vp = model.project_keys(fed_back, positions)                       # a new key set per step
             keys.append(kp)
             values.append(vp)
     return outputs

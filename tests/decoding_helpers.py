@@ -10,7 +10,6 @@ the drafter then agrees only sometimes, and the target's KV cache matters.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,13 +49,11 @@ def random_drafter(target: LlamaForCausalLM, seed: int = 1, std: float = 0.2) ->
     return drafter.eval()
 
 
-def bigram_drafter(target: LlamaForCausalLM, agree: bool = True, seed: int = 1,
-                   key_tokens: bool = False) -> BeagleDrafter:
-    """ĥ = Emb(t): predicts the bigram target's token (agree) or its least likely one (disagree).
-    `key_tokens`: its keys (unused by its output, but cached) also hold their tokens."""
+def bigram_drafter(target: LlamaForCausalLM, agree: bool = True, seed: int = 1) -> BeagleDrafter:
+    """ĥ = Emb(t): predicts the bigram target's token (agree) or its least likely one (disagree)."""
     embed, head = _head(target)
-    config = replace(DrafterConfig.from_architecture(target.config.to_dict()), key_tokens=key_tokens)
-    drafter = BeagleDrafter(config, embed, head if agree else -head)
+    drafter = BeagleDrafter(DrafterConfig.from_architecture(target.config.to_dict()), embed,
+                            head if agree else -head)
     torch.manual_seed(seed)
     drafter.reset_parameters(std=0.2)
     with torch.no_grad():

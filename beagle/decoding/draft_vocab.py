@@ -97,12 +97,11 @@ class ReducedVocabDrafter(nn.Module):
         self.head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
         self.head.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
 
-    def project_keys(self, states: Tensor, positions: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        return self.drafter.project_keys(states, positions, tokens)
+    def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.drafter.project_keys(states, positions)
 
-    def project_true_keys(self, states: Tensor, positions: Tensor, tokens: Tensor | None = None
-                          ) -> tuple[Tensor, Tensor]:
-        return self.drafter.project_true_keys(states, positions, tokens)
+    def project_true_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.drafter.project_true_keys(states, positions)
 
     def forward_hidden(self, input_ids, positions, k, v, attn_mask) -> Tensor:
         return self.drafter.forward_hidden(input_ids, positions, k, v, attn_mask)

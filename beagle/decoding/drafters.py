@@ -38,7 +38,7 @@ class BeagleBackend:
 
     def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """True states `[L, d]` of the tokens `[L]` at `positions` `[L]`, as the target produced them."""
-        self.cache.append(states, positions, tokens)
+        self.cache.append(states, positions)
 
     def keys(self) -> torch.Tensor:
         return self.cache.keys
@@ -52,7 +52,7 @@ class BeagleBackend:
     def step(self, tokens, positions, parent_states, keys, values, mask, need_bank: bool):
         """Draft states `[1, q, d]` of the queries, and their keys for descendants (or None)."""
         hidden = self.drafter.forward_hidden(tokens, positions, keys, values, mask)  # [1, q, d]
-        bank = self.drafter.project_keys(hidden, positions, tokens) if need_bank and self.concatenate else None
+        bank = self.drafter.project_keys(hidden, positions) if need_bank and self.concatenate else None
         return hidden, bank
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

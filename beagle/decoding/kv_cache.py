@@ -49,11 +49,10 @@ class DraftKeyCache:
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
-    def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
+    def append(self, states: torch.Tensor, positions: torch.Tensor) -> None:
         """Project and append true states `[L, n_layers * d]` (the key layers, concatenated; `[L, d]` for the
-        last layer alone) of the tokens `[L]` at absolute `positions` `[L]` (tokens: for `key_tokens` drafters)."""
-        tokens = None if tokens is None else tokens[None]
-        keys, values = self._drafter.project_true_keys(states[None], positions[None], tokens)  # [1, H_kv, L, hd] each
+        last layer alone) at absolute `positions` `[L]`."""
+        keys, values = self._drafter.project_true_keys(states[None], positions[None])  # [1, H_kv, L, hd] each
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
