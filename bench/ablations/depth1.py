@@ -15,8 +15,10 @@ EXP_XGAIN=G (a learned gain, initialised to G, on the token embedding in the res
 (keys hold RMSNorm(h_j) + RMSNorm(Emb(t_j))).
 
 Each run trains as bench/quality.py does (300 steps of 2,048 tokens, stage 1, lr 1e-3, draft vocabulary
-8,192), scores the drafter with bench/acceptance.py (offline chain of 5 on 32 samples) and appends one
-JSON line to <workdir>/results.jsonl.
+8,192), scores the drafter with bench/acceptance.py (offline chain of 5 on the store's first 32 samples,
+which it also trains on) and appends one JSON line to <workdir>/results.jsonl. In
+bench/ablations/depth1-results.jsonl the lines with a "scoring" field were scored held out instead (the
+split bench/quality.py makes).
 """
 from __future__ import annotations
 
