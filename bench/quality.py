@@ -99,6 +99,7 @@ def main() -> None:
         record("P2", "store bytes ÷ raw, fp8 e4m3", ratios["fp8"], 0.52, "<=", f"{ratios['fp8']:.4f}", size,
                why="the per-token float32 scale (4 bytes) and the sample table add to 1 byte per value"),
     ]
+
     def settings(steps: int) -> dict:
         return {"steps": steps, "batch_tokens": batch_tokens, "max_length": max_length, "lr": 1e-3,
                 "draft_vocab": DRAFT_VOCAB, "train_tokens": tokens,
