@@ -3,8 +3,9 @@
 The ablations change the model through a temporary patch that is not in the code base. To rerun one, in
 a scratch clone at the commit the patch was written against:
 
-    git clone -q <repo> /tmp/ablate && cp -r <repo>/bench/ablations /tmp/ablate/bench/   # 58f6132 predates it
-    cd /tmp/ablate && git checkout -q 58f6132 && git apply bench/ablations/depth1.patch
+    git clone -q <repo> /tmp/ablate && cd /tmp/ablate && git checkout -q 58f6132
+    cp -r <repo>/bench/ablations bench/      # 58f6132 predates these files
+    git apply bench/ablations/depth1.patch
     EXP_KV_HEADS=9 python bench/ablations/depth1.py mha beagle 300 --store STORE
     python bench/ablations/depth1.py k1 beagle 300 --store STORE -- --window-size 1 --simulation-steps 1
 
