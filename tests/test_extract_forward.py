@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.extract.actor import ShardExtractor
-from pipeline.extract.forward import ForwardConfig, TargetForward, normalize_layers, plan_batches, target_fingerprint
+from pipeline.extract.forward import (ForwardConfig, TargetForward, normalize_layers, plan_batches, states_to_host,
+                                     target_fingerprint)
 from beagle.store_tensors import open_store
 from pipeline.store import begin_store, commit_manifest, committed_shards, compute_dataset_id, store_identity
 from tests.tiny import build_target
@@ -40,6 +42,31 @@ def test_batched_equals_one_at_a_time_and_the_lm_head_reads_layer_minus_one(targ
             torch.testing.assert_close(states[2], full.hidden_states[1][0], atol=1e-6, rtol=1e-6)
 
 
+class _CopyCounter(TorchDispatchMode):
+    """Names the aten ops that move or allocate tensor data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if any(word in name for word in ("copy", "stack", "cat", "clone", "contiguous", "empty")):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_captured_states_reach_the_host_in_one_copy_per_layer():
+    states = [torch.randn(2, 7, 8) for _ in range(3)]  # n_layers x [B, L, d]
+    with _CopyCounter() as counter:
+        host = states_to_host(states)
+    assert host.shape == (2, 3, 7, 8) and torch.equal(host, torch.stack(states, dim=1))
+    assert sorted(counter.ops) == ["aten.copy_.default"] * 3 + ["aten.empty.memory_format"]
+    with _CopyCounter() as counter:
+        single = states_to_host(states[:1])
+    assert counter.ops == [] and single.data_ptr() == states[0].data_ptr()  # one layer on the CPU: a view
+
+
 def test_plan_batches_respects_the_budget_and_covers_every_sample():
     lengths = [7, 1, 30, 30, 12, 5, 64, 2]
     plan = plan_batches(lengths, 40)
@@ -69,15 +96,16 @@ def test_model_directories_without_weights_fail_naming_them(tmp_path, target):
     assert fingerprint == target_fingerprint(str(target), "bfloat16")
 
 
-def test_shard_actor_works_without_ray_on_a_hand_built_shard(tmp_path, target, sequences):
+@pytest.mark.parametrize("layers", [(-1,), (-1, 0, 1)])  # several layers: padded rows are strided views
+def test_shard_actor_works_without_ray_on_a_hand_built_shard(tmp_path, target, sequences, layers):
     url = str(tmp_path / "store")
     facts = {"target": target_fingerprint(str(target), "bfloat16"), "tokenizer": {}, "source": {"files": []},
-             "capture": {"layers": [-1], "dtype": "bfloat16", "max_length": 64}}
+             "capture": {"layers": list(layers), "dtype": "bfloat16", "max_length": 64}}
     dataset_id = compute_dataset_id(store_identity(**facts))
     assert begin_store(url, dataset_id) == "new"
     samples = [{"sample_id": f"s{i}", "input_ids": s, "loss_mask": np.arange(len(s)) % 2 == 1}
                for i, s in enumerate(sequences)]
-    config = ForwardConfig(str(target), layers=(-1,), dtype="bfloat16", batch_tokens=64)
+    config = ForwardConfig(str(target), layers=layers, dtype="bfloat16", batch_tokens=64)
     actor = ShardExtractor(config, url)
     out = actor.extract(0, samples)
     assert out["shard_index"] == 0 and (tmp_path / "store" / "head.safetensors").exists()

@@ -124,7 +124,7 @@ def test_lock_is_held_across_processes(tmp_path):
 
 def test_disk_full_during_a_shard_leaves_no_store_that_looks_complete(tmp_path, monkeypatch):
     url = str(tmp_path / "s")
-    real = store_writer.write_raw_hidden_array  # a local store's states go through the raw writer
+    real = store_writer.write_raw_files  # a local store's states go through the raw writer
     calls = {"n": 0}
 
     def failing_write(*args, **kwargs):
@@ -133,13 +133,13 @@ def test_disk_full_during_a_shard_leaves_no_store_that_looks_complete(tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(store_writer, "write_raw_hidden_array", failing_write)
+    monkeypatch.setattr(store_writer, "write_raw_files", failing_write)
     with pytest.raises(OSError, match="No space left"):
         build(url, make_samples(10, torch.float32), "float32")
     with pytest.raises(Exception, match="unfinished store"):
         open_store(url)
     assert sorted(store_writer.committed_shards(url)) == [0]
-    monkeypatch.setattr(store_writer, "write_raw_hidden_array", real)
+    monkeypatch.setattr(store_writer, "write_raw_files", real)
     build(url, make_samples(10, torch.float32), "float32")  # the same call completes the store
     assert verify_store(url).ok
 

@@ -69,6 +69,27 @@ def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def states_to_host(states: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The captured layers' states (n_layers x [B, L, d], each on its own device) as one host tensor
+    [B, n_layers, L, d], each layer copied once, straight into its place.
+
+    On CUDA the copies go into pinned memory without blocking (PyTorch caches pinned blocks, so batches
+    reuse them) and the host waits once per device after every layer is queued: the states leave at the
+    link's full rate and the device is not stopped once per layer. On the CPU one layer stays a view.
+    """
+    first = states[0]
+    if len(states) == 1 and first.device.type == "cpu":
+        return first.unsqueeze(1)  # a view, no copy
+    devices = {state.device for state in states if state.device.type == "cuda"}
+    pinned = bool(devices)
+    host = torch.empty(first.shape[0], len(states), *first.shape[1:], dtype=first.dtype, pin_memory=pinned)
+    for index, state in enumerate(states):
+        host[:, index].copy_(state, non_blocking=pinned)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()  # the host reads `host` next (hash, write)
+    return host
+
+
 class TargetForward:
     """Loads the target once and returns per-sample hidden states [n_layers, L, d] in the store dtype."""
 
@@ -119,10 +140,9 @@ class TargetForward:
         with LayerCapture(self.base, self.layers) as capture:
             output = self.base(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                output_hidden_states=capture.output_hidden_states, use_cache=False)
-        picked = [state.to("cpu") for state in capture.states(output)]  # n_layers x [B, L, d]
+        stacked = states_to_host(capture.states(output))  # [B, n_layers, L, d]
         del output, capture
-        # One layer: a view, no copy. Per-sample slices stay views of the batch until the shard is written.
-        stacked = picked[0].unsqueeze(1) if len(picked) == 1 else torch.stack(picked, dim=1)  # [B, n_layers, L, d]
+        # Per-sample slices stay views of the batch until the shard is written.
         return [stacked[row, :, :len(sequence)] for row, sequence in enumerate(sequences)]
 
     def hidden_states(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:

@@ -30,7 +30,9 @@ def fp8_encode(states: Any) -> tuple[np.ndarray, np.ndarray]:
 def to_numpy(values: Any) -> np.ndarray:
     """A tensor (any device) or array-like as numpy; bf16 tensors become their uint16 bit pattern."""
     if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().contiguous()
+        # Strided views stay views (numpy keeps the strides): the writer copies each layer's rows once,
+        # into the file, and a padded batch's [n_layers, L, d] slice is not contiguous across layers.
+        values = values.detach().cpu()
         return values.view(torch.uint16).numpy() if values.dtype == torch.bfloat16 else values.numpy()
     return np.asarray(values)
 

@@ -24,7 +24,8 @@ from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
 from pipeline.store.file_lock import exclusive_lock
 from pipeline.store.object_lock import object_store_lock
-from pipeline.store.zarr_io import write_hidden_array, write_raw_hidden_array, write_scale_array, zarr_store
+from pipeline.store.zarr_io import (plan_raw_hidden_array, write_hidden_array, write_raw_files, write_scale_array,
+                                    zarr_store)
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +161,17 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
         with pa.ipc.new_stream(handle, table.schema) as writer:  # stream format: what `datasets` reads
             writer.write_table(table)
     store = zarr_store(fs, build_dir, read_only=False)
-    hashed: dict[str, tuple[str, int]] = {}  # files hashed while written: not read back
+    raw_files = []  # written and hashed together below, never read back
     for index, (layer, parts) in enumerate(zip(layers, parts_by_layer)):
         if scales_by_layer:
             write_scale_array(store, fmt.scale_array_name(layer), scales_by_layer[index], layer=layer)
         if local and compression in (None, "none"):
-            hashed.update(write_raw_hidden_array(store, build_dir, fmt.hidden_array_name(layer), parts,
-                                                 logical_dtype=dtype, layer=layer))
+            raw_files.append(plan_raw_hidden_array(store, build_dir, fmt.hidden_array_name(layer), parts,
+                                                   logical_dtype=dtype, layer=layer))
         else:
             write_hidden_array(store, fmt.hidden_array_name(layer), np.concatenate(parts, axis=0),
                                logical_dtype=dtype, layer=layer, compression=compression)
+    hashed = write_raw_files(raw_files)
 
     files = {}
     for path in sorted(fs.find(build_dir)):
