@@ -3,12 +3,14 @@
 The real extraction path (`run_extract`: streamed tokenize tasks, the ShardExtractor actor with its two
 overlapping shard threads, storage conversion, `write_shard` with its hashes and fsyncs, the manifest) runs
 with the target's forward replaced, inside the Ray workers, by a producer of random states of the real shape
-and dtype at unlimited rate (slices of one buffer drawn at start). What is left is everything we add around
-a forward. Prints, per number of captured layers, the tokens/s and GB/s of states of one actor from its first
+and dtype at unlimited rate (consecutive slices of one 1 GiB buffer drawn at start). What is left is everything we add around
+a forward. Prints, per filesystem (the workdir's disk, and /dev/shm where the disk does not limit) and per
+number of captured layers, the tokens/s and GB/s of states of one actor from its first
 forward to its last commit, the whole job's rate (actor start and driver work included), and the ratio to
 what one H100 needs: an 8B target prefills ~30k tokens/s, ~0.25 GB/s of bf16 states per layer at d = 4096.
 
-    python bench/extract_ceiling.py [--tokens 131072] [--width 4096] [--layers 1,4] [--workers 1] [--json F]
+    python bench/extract_ceiling.py [--tokens 131072] [--width 4096] [--layers 1,4] [--workers 1] [--no-tmpfs]
+                                    [--json F]
 
 The target folder is a real Llama config of width `--width` with `max(layers)` tiny layers (1 head of 8,
 MLP of 8): the driver reads and hashes it as it would any target; the actors never run it.
@@ -25,14 +27,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
+
 from bench.common import machine  # noqa: E402
+from bench.store import filesystem_type, raw_write_seconds  # noqa: E402
 
 H100_TOKENS_PER_SECOND = 30_000  # an 8B target's prefill on one H100, order of magnitude (issue 16)
 
 
 def unlimited_forward() -> None:
-    """Ray worker setup hook: TargetForward no longer loads or runs the target; each sequence's states are a
-    slice of one random bf16 buffer [n_layers, max_length, d] drawn once per actor."""
+    """Ray worker setup hook: TargetForward no longer loads or runs the target; each sequence's states are
+    the next slice of one random bf16 buffer [n_layers, T, d] of 1 GiB drawn once per actor. Consecutive
+    sequences take consecutive slices, so the writer hashes and writes memory that is not already in the
+    CPU's caches, as it would be after a real forward."""
     import torch
 
     from pipeline.extract import forward
@@ -44,11 +51,21 @@ def unlimited_forward() -> None:
         self.layers = forward.normalize_layers(config.layers, self.num_layers)
         width, vocab = architecture["hidden_size"], architecture["vocab_size"]
         generator = torch.Generator().manual_seed(0)
-        self._states = torch.randn(len(self.layers), 4096, width, generator=generator).to(torch.bfloat16)
+        tokens = max(config.batch_tokens, (1 << 30) // (len(self.layers) * width * 2))
+        # random bit patterns: a state's bytes, drawn 20x faster than randn (a few are NaN: never read)
+        self._states = torch.randint(-(1 << 15), 1 << 15, (len(self.layers), tokens, width), dtype=torch.int16,
+                                     generator=generator).view(torch.bfloat16)
+        self._next = 0
         self._head = torch.randn(vocab, width, generator=generator).to(torch.bfloat16)
 
     def forward_batch(self, sequences):
-        return [self._states[:, :len(sequence)] for sequence in sequences]  # n x [n_layers, L, d], no copy
+        states = []  # n x [n_layers, L, d], views: no copy
+        for sequence in sequences:
+            if self._next + len(sequence) > self._states.shape[1]:
+                self._next = 0
+            states.append(self._states[:, self._next:self._next + len(sequence)])
+            self._next += len(sequence)
+        return states
 
     forward.TargetForward.__init__ = init
     forward.TargetForward.forward_batch = forward_batch
@@ -80,6 +97,15 @@ def write_texts(path: Path, tokens: int, tokens_per_record: int = 1500) -> Path:
     return path
 
 
+def raw_gb_per_s(directory: Path, nbytes: int, files: int) -> float:
+    """GB/s of writing `nbytes` as `files` files one after another, each fsync'd (what the store's layer files
+    of its shards are), from one random buffer: what the filesystem sustains for this job's bytes."""
+    size = max(1, nbytes // files)
+    block = memoryview(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)).cast("B")
+    seconds = sum(raw_write_seconds(str(directory / "raw.bin"), [block]) for _ in range(files))
+    return files * size / seconds / 1e9
+
+
 def measure(target: Path, data: Path, out: Path, layers: tuple[int, ...], workers: int, width: int) -> dict:
     from pipeline.extract.pipeline import ExtractConfig, run_extract
 
@@ -97,6 +123,8 @@ def measure(target: Path, data: Path, out: Path, layers: tuple[int, ...], worker
               "write_overlap_seconds": summary.write_overlap_seconds}
     result["h100_ratio"] = result["actor_gb_per_s"] * 1e9 / need
     shutil.rmtree(out)
+    result["filesystem"] = filesystem_type(str(out.parent))
+    result["raw_gb_per_s"] = raw_gb_per_s(out.parent, state_bytes, summary.shards * len(layers))
     return result
 
 
@@ -107,6 +135,9 @@ def main() -> None:
     parser.add_argument("--layers", default="1,4", help="numbers of captured layers to measure")
     parser.add_argument("--workers", type=int, default=1, help="forward actors")
     parser.add_argument("--workdir", default=None, help="where the stores go (default: a temp dir on disk)")
+    parser.add_argument("--no-tmpfs", dest="tmpfs", action="store_false",
+                        help="measure on the workdir's disk only (by default also in /dev/shm, where the disk "
+                             "is not what limits: the ceiling of the code itself)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import ray
@@ -120,19 +151,25 @@ def main() -> None:
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + 1), include_dashboard=False,
              log_to_driver=False, runtime_env={"worker_process_setup_hook": unlimited_forward})
     print(f"{machine()}; d = {args.width}, bf16, {args.workers} actor(s); the forward is a random-state producer")
-    print(f"{'layers':>6} {'tokens':>8} {'GB':>6} {'actor tok/s':>12} {'actor GB/s':>11} {'job tok/s':>10} "
-          f"{'÷ H100 need':>12}")
+    print("raw GB/s: the same bytes as files of the same sizes, each written and fsync'd, on the same filesystem")
+    print(f"{'filesystem':>10} {'layers':>6} {'tokens':>8} {'GB':>6} {'actor tok/s':>12} {'actor GB/s':>11} "
+          f"{'raw GB/s':>9} {'job tok/s':>10} {'÷ H100 need':>12}")
+    places = [work] + ([Path(tempfile.mkdtemp(prefix="bench-ceiling-", dir="/dev/shm"))]
+                       if args.tmpfs and os.path.isdir("/dev/shm") else [])
     results = []
     try:
-        for count in counts:
-            layers = tuple(range(1, count)) + (-1,)  # count layers: the first count-1 and the last
-            r = measure(target, data, work / f"store-{count}", layers, args.workers, args.width)
-            results.append(r)
-            print(f"{r['layers']:>6} {r['tokens']:>8} {r['state_gb']:>6.2f} {r['actor_tokens_per_s']:>12,.0f} "
-                  f"{r['actor_gb_per_s']:>11.2f} {r['job_tokens_per_s']:>10,.0f} {r['h100_ratio']:>12.2f}",
-                  flush=True)
+        for place in places:
+            for count in counts:
+                layers = tuple(range(1, count)) + (-1,)  # count layers: the first count-1 and the last
+                r = measure(target, data, place / f"store-{count}", layers, args.workers, args.width)
+                results.append(r)
+                print(f"{r['filesystem']:>10} {r['layers']:>6} {r['tokens']:>8} {r['state_gb']:>6.2f} "
+                      f"{r['actor_tokens_per_s']:>12,.0f} {r['actor_gb_per_s']:>11.2f} {r['raw_gb_per_s']:>9.2f} "
+                      f"{r['job_tokens_per_s']:>10,.0f} {r['h100_ratio']:>12.2f}", flush=True)
     finally:
         ray.shutdown()
+        for place in places[1:]:
+            shutil.rmtree(place, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if not args.workdir:
