@@ -27,17 +27,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="the --workdir of a finished bench/layers.py run")
     parser.add_argument("--windows", default="1,2")
+    parser.add_argument("--steps", type=int, default=None, help="which of its numbers of steps (default: the first)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     work = Path(args.workdir)
-    settings = json.loads((work / "scores.json").read_text())["settings"]
+    runs = json.loads((work / "scores.json").read_text())  # {steps: {scores, settings}}
+    settings = runs[str(args.steps) if args.steps else next(iter(runs))]["settings"]
     steps, batch_tokens, max_length = settings["steps"], settings["batch_tokens"], settings["max_length"]
     held_out = work / "held-out-store"
     head = StoreSet([str(work / "train-store")]).load_head()
-    scores = {"eagle2": score(work / "run-eagle2-last" / "drafter", held_out, head, max_length),
-              "beagle k=5": score(work / "run-beagle-last" / "drafter", held_out, head, max_length)}
+    scores = {"eagle2": score(work / f"run-eagle2-last-{steps}" / "drafter", held_out, head, max_length),
+              "beagle k=5": score(work / f"run-beagle-last-{steps}" / "drafter", held_out, head, max_length)}
     for k in (int(x) for x in args.windows.split(",")):
-        path = _train(work / "train-store", work / f"run-beagle-k{k}", "beagle", False, steps, batch_tokens,
+        path = _train(work / "train-store", work / f"run-beagle-k{k}-{steps}", "beagle", False, steps, batch_tokens,
                       max_length, "--window-size", str(k), "--simulation-steps", str(k))
         scores[f"beagle k={k}"] = score(path, held_out, head, max_length)
     for name, (tau, alphas) in scores.items():

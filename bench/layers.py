@@ -7,7 +7,7 @@ score them by the same offline chain acceptance (bench/acceptance.py) on the hel
 per-depth acceptance, fused ÷ last for each drafter, Beagle ÷ EAGLE-2 for each input (P5), and the store
 bytes per token that each captured layer costs.
 
-    python bench/layers.py [--quick] [--layers 2,15,27,-1] [--steps 300] [--json out.json]
+    python bench/layers.py [--quick] [--layers 2,15,27,-1] [--steps 300,1000] [--json out.json]
 """
 from __future__ import annotations
 
@@ -61,18 +61,41 @@ def _bytes_per_token(store: Path) -> float:
     return store_bytes(str(store)) / int(StoreSet([str(store)]).lengths.sum())
 
 
+def _records(scores: dict[str, tuple[float, list[float]]], settings: dict) -> list[dict]:
+    """P5 (Beagle ÷ EAGLE-2) and P10 (fused ÷ last) from the four drafters' scores at one number of steps."""
+    steps = settings["steps"]
+    tau = {name: value[0] for name, value in scores.items()}
+    alphas = {name: [round(a, 2) for a in value[1]] for name, value in scores.items()}
+    return [
+        record("P5", f"τ Beagle ÷ τ EAGLE-2, last-layer keys, {steps} steps", tau["beagle-last"] / tau["eagle2-last"],
+               1.0, ">=", f"τ {tau['beagle-last']:.3f} vs {tau['eagle2-last']:.3f}; α {alphas['beagle-last']} vs "
+               f"{alphas['eagle2-last']}", settings, why="see docs/training.md, the depth-1 gap"),
+        record("P5", f"τ Beagle ÷ τ EAGLE-2, fused keys, {steps} steps", tau["beagle-fused"] / tau["eagle2-fused"],
+               1.0, ">=", f"τ {tau['beagle-fused']:.3f} vs {tau['eagle2-fused']:.3f}; α {alphas['beagle-fused']} vs "
+               f"{alphas['eagle2-fused']}", settings, why="see docs/training.md, the depth-1 gap"),
+        record("P10", f"τ fused ÷ τ last-layer keys, Beagle, {steps} steps", tau["beagle-fused"] / tau["beagle-last"],
+               1.0, ">=", f"τ {tau['beagle-fused']:.3f} vs {tau['beagle-last']:.3f}", settings,
+               why="fusion adds what the other layers know; at this budget it is not yet worth their store cost"),
+        record("P10", f"τ fused ÷ τ last-layer keys, EAGLE-2, {steps} steps", tau["eagle2-fused"] / tau["eagle2-last"],
+               1.0, ">=", f"τ {tau['eagle2-fused']:.3f} vs {tau['eagle2-last']:.3f}", settings,
+               why="fusion adds what the other layers know; at this budget it is not yet worth their store cost"),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: few conversations and steps")
     parser.add_argument("--layers", default="2,15,27,-1", help="layers captured and fused (HF hidden_states indices)")
     parser.add_argument("--conversations", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", default=None,
+                        help="training steps, comma-separated: every drafter is trained and scored at each "
+                             "[300,1000; --quick: 20]")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     require_demo()
     conversations = args.conversations or (24 if args.quick else 400)
-    steps = args.steps or (20 if args.quick else 300)
+    steps_list = [int(n) for n in (args.steps or ("20" if args.quick else "300,1000")).split(",")]
     batch_tokens, max_length = (512, 256) if args.quick else (2048, 512)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-layers-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -80,37 +103,28 @@ def main() -> None:
     _extract(train_data, work / "train-store", args.layers, max_length)
     _extract(held_out_data, work / "held-out-store", args.layers, max_length)
     head = StoreSet([str(work / "train-store")]).load_head()
-    scores = {}
-    for drafter in ("beagle", "eagle2"):
-        for fused in (False, True):
-            name = f"{drafter}-{'fused' if fused else 'last'}"
-            path = _train(work / "train-store", work / f"run-{name}", drafter, fused, steps, batch_tokens, max_length)
-            scores[name] = score(path, work / "held-out-store", head, max_length)
-            print(f"{name}: tau {scores[name][0]:.3f} alpha {[round(a, 3) for a in scores[name][1]]}", flush=True)
     layers = [int(x) for x in args.layers.split(",")]
     per_token = _bytes_per_token(work / "train-store")
-    settings = {"layers": layers, "conversations": conversations, "steps": steps, "batch_tokens": batch_tokens,
-                "max_length": max_length, "draft_vocab": DRAFT_VOCAB, "lr": 1e-3,
-                "train_tokens": int(StoreSet([str(work / "train-store")]).lengths.sum()),
-                "eval": "offline chain depth 5 on the held-out store",
-                "store_bytes_per_token": round(per_token), "per_layer_bytes_per_token": round(per_token / len(layers))}
-    tau = {name: value[0] for name, value in scores.items()}
-    alphas = {name: [round(a, 2) for a in value[1]] for name, value in scores.items()}
-    records = [
-        record("P5", "τ Beagle ÷ τ EAGLE-2, last-layer keys", tau["beagle-last"] / tau["eagle2-last"], 1.0, ">=",
-               f"τ {tau['beagle-last']:.3f} vs {tau['eagle2-last']:.3f}; α {alphas['beagle-last']} vs "
-               f"{alphas['eagle2-last']}", settings, why="see docs/training.md, the depth-1 gap"),
-        record("P5", "τ Beagle ÷ τ EAGLE-2, fused keys", tau["beagle-fused"] / tau["eagle2-fused"], 1.0, ">=",
-               f"τ {tau['beagle-fused']:.3f} vs {tau['eagle2-fused']:.3f}; α {alphas['beagle-fused']} vs "
-               f"{alphas['eagle2-fused']}", settings, why="see docs/training.md, the depth-1 gap"),
-        record("P10", "τ fused ÷ τ last-layer keys, Beagle", tau["beagle-fused"] / tau["beagle-last"], 1.0, ">=",
-               f"τ {tau['beagle-fused']:.3f} vs {tau['beagle-last']:.3f}", settings,
-               why="fusion adds what the other layers know; at this budget it is not yet worth their store cost"),
-        record("P10", "τ fused ÷ τ last-layer keys, EAGLE-2", tau["eagle2-fused"] / tau["eagle2-last"], 1.0, ">=",
-               f"τ {tau['eagle2-fused']:.3f} vs {tau['eagle2-last']:.3f}", settings,
-               why="fusion adds what the other layers know; at this budget it is not yet worth their store cost"),
-    ]
-    (work / "scores.json").write_text(json.dumps({"scores": scores, "settings": settings}, indent=2))
+    records: list[dict] = []
+    scores_by_steps: dict[int, dict] = {}
+    for steps in steps_list:
+        scores = {}
+        for drafter in ("beagle", "eagle2"):
+            for fused in (False, True):
+                name = f"{drafter}-{'fused' if fused else 'last'}"
+                path = _train(work / "train-store", work / f"run-{name}-{steps}", drafter, fused, steps,
+                              batch_tokens, max_length)
+                scores[name] = score(path, work / "held-out-store", head, max_length)
+                print(f"{name} at {steps} steps: tau {scores[name][0]:.3f} "
+                      f"alpha {[round(a, 3) for a in scores[name][1]]}", flush=True)
+        settings = {"layers": layers, "conversations": conversations, "steps": steps, "batch_tokens": batch_tokens,
+                    "max_length": max_length, "draft_vocab": DRAFT_VOCAB, "lr": 1e-3,
+                    "train_tokens": int(StoreSet([str(work / "train-store")]).lengths.sum()),
+                    "eval": "offline chain depth 5 on the held-out store", "store_bytes_per_token": round(per_token),
+                    "per_layer_bytes_per_token": round(per_token / len(layers))}
+        records += _records(scores, settings)
+        scores_by_steps[steps] = {"scores": scores, "settings": settings}
+    (work / "scores.json").write_text(json.dumps(scores_by_steps, indent=2))  # {steps: {scores, settings}}
     emit(records, args.json)
 
 
