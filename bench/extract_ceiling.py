@@ -3,11 +3,12 @@
 The real extraction path (`run_extract`: streamed tokenize tasks, the ShardExtractor actor with its two
 overlapping shard threads, storage conversion, `write_shard` with its hashes and fsyncs, the manifest) runs
 with the target's forward replaced, inside the Ray workers, by a producer of random states of the real shape
-and dtype at unlimited rate (consecutive slices of one 1 GiB buffer drawn at start). What is left is everything we add around
-a forward. Prints, per filesystem (the workdir's disk, and /dev/shm where the disk does not limit) and per
-number of captured layers, the tokens/s and GB/s of states of one actor from its first
-forward to its last commit, the whole job's rate (actor start and driver work included), and the ratio to
-what one H100 needs: an 8B target prefills ~30k tokens/s, ~0.25 GB/s of bf16 states per layer at d = 4096.
+and dtype at unlimited rate (consecutive slices of one buffer of up to 1 GiB drawn at start). What is left
+is everything we add around a forward. Prints, per filesystem (the workdir's disk, and /dev/shm where the
+disk does not limit) and per number of captured layers, the tokens/s and GB/s of states of one actor from
+its first forward to its last commit, a raw fsync'd write of the same files, the whole job's rate (actor
+start and driver work included), and the ratio to what one H100 needs: an 8B target prefills ~30k
+tokens/s, ~0.25 GB/s of bf16 states per layer at d = 4096.
 
     python bench/extract_ceiling.py [--tokens 131072] [--width 4096] [--layers 1,4] [--workers 1] [--no-tmpfs]
                                     [--json F]
@@ -37,7 +38,7 @@ H100_TOKENS_PER_SECOND = 30_000  # an 8B target's prefill on one H100, order of 
 
 def unlimited_forward() -> None:
     """Ray worker setup hook: TargetForward no longer loads or runs the target; each sequence's states are
-    the next slice of one random bf16 buffer [n_layers, T, d] of 1 GiB drawn once per actor. Consecutive
+    the next slice of one random bf16 buffer [n_layers, T, d] of up to 1 GiB drawn once per actor. Consecutive
     sequences take consecutive slices, so the writer hashes and writes memory that is not already in the
     CPU's caches, as it would be after a real forward."""
     import torch
@@ -51,7 +52,8 @@ def unlimited_forward() -> None:
         self.layers = forward.normalize_layers(config.layers, self.num_layers)
         width, vocab = architecture["hidden_size"], architecture["vocab_size"]
         generator = torch.Generator().manual_seed(0)
-        tokens = max(config.batch_tokens, (1 << 30) // (len(self.layers) * width * 2))
+        tokens = max(config.batch_tokens,  # 1 GiB, or 64 batches where that is less (narrow test widths)
+                     min((1 << 30) // (len(self.layers) * width * 2), 64 * config.batch_tokens))
         # random bit patterns: a state's bytes, drawn 20x faster than randn (a few are NaN: never read)
         self._states = torch.randint(-(1 << 15), 1 << 15, (len(self.layers), tokens, width), dtype=torch.int16,
                                      generator=generator).view(torch.bfloat16)
