@@ -108,6 +108,19 @@ def raw_gb_per_s(directory: Path, nbytes: int, files: int) -> float:
     return files * size / seconds / 1e9
 
 
+def _tmpfs_has_room(state_bytes: int) -> bool:
+    """Whether /dev/shm exists and can hold a store of about `state_bytes` (twice that: the texts make more
+    tokens than asked, and the raw write follows the store); says so when it cannot (a container's is 64 MB)."""
+    if not os.path.isdir("/dev/shm"):
+        return False
+    free = shutil.disk_usage("/dev/shm").free
+    if free < 2 * state_bytes:
+        print(f"/dev/shm has {free / 1e9:.1f} GB free, under the {2 * state_bytes / 1e9:.1f} GB the tmpfs "
+              "measurement needs: skipped")
+        return False
+    return True
+
+
 def measure(target: Path, data: Path, out: Path, layers: tuple[int, ...], workers: int, width: int) -> dict:
     from pipeline.extract.pipeline import ExtractConfig, run_extract
 
@@ -157,7 +170,7 @@ def main() -> None:
     print(f"{'filesystem':>10} {'layers':>6} {'tokens':>8} {'GB':>6} {'actor tok/s':>12} {'actor GB/s':>11} "
           f"{'raw GB/s':>9} {'job tok/s':>10} {'÷ H100 need':>12}")
     places = [work] + ([Path(tempfile.mkdtemp(prefix="bench-ceiling-", dir="/dev/shm"))]
-                       if args.tmpfs and os.path.isdir("/dev/shm") else [])
+                       if args.tmpfs and _tmpfs_has_room(args.tokens * max(counts) * args.width * 2) else [])
     results = []
     try:
         for place in places:
