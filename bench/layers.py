@@ -105,6 +105,7 @@ def main() -> None:
     head = StoreSet([str(work / "train-store")]).load_head()
     layers = [int(x) for x in args.layers.split(",")]
     per_token = _bytes_per_token(work / "train-store")
+    train_tokens = int(StoreSet([str(work / "train-store")]).lengths.sum())
     records: list[dict] = []
     scores_by_steps: dict[int, dict] = {}
     for steps in steps_list:
@@ -119,7 +120,7 @@ def main() -> None:
                       f"alpha {[round(a, 3) for a in scores[name][1]]}", flush=True)
         settings = {"layers": layers, "conversations": conversations, "steps": steps, "batch_tokens": batch_tokens,
                     "max_length": max_length, "draft_vocab": DRAFT_VOCAB, "lr": 1e-3,
-                    "train_tokens": int(StoreSet([str(work / "train-store")]).lengths.sum()),
+                    "train_tokens": train_tokens,
                     "eval": "offline chain depth 5 on the held-out store", "store_bytes_per_token": round(per_token),
                     "per_layer_bytes_per_token": round(per_token / len(layers))}
         records += _records(scores, settings)
