@@ -9,9 +9,12 @@ It needs no target model and no decoding loop, so both drafters are measured ide
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 
-from beagle.data import StoreSet, collate
+from beagle.data import Batch, StoreSet, collate
 from beagle.eagle2 import Eagle2Drafter
 from beagle.export import load_drafter
 from beagle.model import BeagleDrafter, fuse_key_states
@@ -105,6 +108,69 @@ def chain_acceptance(model, store_url: str, *, depth: int = 5, samples: int = 16
     tau = 1.0 + sum(lengths) / max(1, len(lengths))
     alphas = [accepted[j] / accepted[j - 1] if accepted[j - 1] else 0.0 for j in range(1, depth + 1)]
     return tau, alphas
+
+
+Predictor = Callable[[int, Batch], torch.Tensor]  # (sample index, its batch) -> draft ids [L]: row p guesses t_{p+1}
+
+
+@torch.inference_mode()
+def depth1_acceptance(predict: Predictor, store_url: str, *, samples: int | None = None, limit: int = 512,
+                      key_layers: tuple[int, ...] | None = None) -> float:
+    """α1 of any next-token guesser by `chain_acceptance`'s depth-1 rule: the guess at row n+1 must equal the
+    target's greedy token there, and that token must be the data token. Counted over roots n = 0..L-3 of
+    every sample (or the first `samples`), as a chain of depth 1 counts them; a bigram table and a drafter
+    with ablated keys are scored by the same rule as the drafters."""
+    data = StoreSet([store_url], key_layers=key_layers)
+    head = data.load_head()
+    accepted = roots = 0
+    for i in range(len(data) if samples is None else min(samples, len(data))):
+        batch = collate([data.sample(i, limit)])
+        L = int(batch.lengths[0])
+        if L < 3:
+            continue
+        greedy = (batch.hidden[0, :L] @ head["lm_head"].float().T).argmax(-1)            # [L]
+        guess = predict(i, batch)[:L]                                                     # [L]
+        n = torch.arange(L - 2)
+        hit = (guess[n + 1] == greedy[n + 1]) & (greedy[n + 1] == batch.input_ids[0, n + 2])
+        accepted += int(hit.sum())
+        roots += L - 2
+    return accepted / max(1, roots)
+
+
+def bigram_predictor(store_url: str, *, limit: int = 512) -> Predictor:
+    """The most frequent next token of each token in `store_url` (a bigram table counted over every token of
+    every sample): what a drafter that reads only its query token could learn from that store at best."""
+    data = StoreSet([store_url])
+    vocab_size = int(data.target["architecture"]["vocab_size"])
+    pairs = []
+    for i in range(len(data)):
+        ids = torch.as_tensor(data.sample(i, limit)[0], dtype=torch.long)
+        pairs.append(ids[:-1] * vocab_size + ids[1:])                                     # [L-1] (t, next)
+    seen, counts = torch.unique(torch.cat(pairs), return_counts=True)
+    by_count = torch.sort(counts, descending=True, stable=True).indices
+    first, following = seen[by_count] // vocab_size, seen[by_count] % vocab_size
+    by_token = torch.sort(first, stable=True).indices     # per token, its most frequent pair comes first
+    first, following = first[by_token], following[by_token]
+    _, group_sizes = torch.unique_consecutive(first, return_counts=True)
+    starts = torch.cumsum(group_sizes, 0) - group_sizes
+    table = torch.full((vocab_size,), -1, dtype=torch.long)                               # [V]; -1: never seen
+    table[first[starts]] = following[starts]
+    return lambda index, batch: table[batch.input_ids[0]]
+
+
+def beagle_depth1_predictor(model: BeagleDrafter, vocab: torch.Tensor | None = None,
+                            keys: Callable[[int, Batch], torch.Tensor] | None = None) -> Predictor:
+    """Beagle's depth-1 guesses (every row drafts from the true states before it). `keys` maps (sample
+    index, batch) to other states [1, L, w] to make its keys from (an ablation: the store's mean state,
+    another sample's states); they replace what its true keys are made of (`Batch.key_input`), while the
+    greedy tokens it is scored against stay the true ones."""
+    field = "key_states" if model.config.fused else "hidden"
+
+    def predict(index: int, batch: Batch) -> torch.Tensor:
+        if keys is not None:
+            batch = dataclasses.replace(batch, **{field: keys(index, batch)})
+        return _beagle_chain_tokens(model, batch, 1, vocab)[0][0]
+    return predict
 
 
 def score_drafter(drafter_dir: str, store_url: str, head: dict[str, torch.Tensor], *, samples: int,

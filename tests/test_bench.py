@@ -65,6 +65,47 @@ def test_offline_eagle2_chain_matches_the_decode_time_cache(tmp_path):
     assert chain_acceptance(beagle, url, depth=3, samples=1, vocab=torch.tensor([unused]))[0] == 1.0
 
 
+def test_depth1_rule_agrees_with_the_chain_and_the_bigram_table_counts_pairs(tmp_path):
+    """bench/depth1.py's pieces: α1 by the depth-1 rule equals a chain of depth 1's α1 for the same drafter,
+    keys ablated to the true states change nothing, and the bigram table holds each token's most frequent
+    successor in the store."""
+    from collections import Counter
+
+    from bench.acceptance import beagle_depth1_predictor, bigram_predictor, depth1_acceptance
+
+    # 8 tokens: pairs repeat (a random walk of steps 1-3) and the target's greedy token is often the data's
+    url = build_tiny_store(tmp_path / "s", num_samples=12, min_len=10, max_len=16, vocab_size=8)
+    data = StoreSet([url])
+    head = data.load_head()
+    torch.manual_seed(0)
+    beagle = BeagleDrafter(DrafterConfig.from_architecture(data.target["architecture"]), head["embed_tokens"],
+                           head["lm_head"]).eval()
+    for p in beagle.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    _, alphas = chain_acceptance(beagle, url, depth=1, samples=12)
+    assert depth1_acceptance(beagle_depth1_predictor(beagle), url) == pytest.approx(alphas[0])
+    same_keys = beagle_depth1_predictor(beagle, keys=lambda i, batch: batch.hidden)
+    assert depth1_acceptance(same_keys, url) == pytest.approx(alphas[0])
+    # an oracle that guesses the target's greedy token everywhere accepts exactly where greedy is the data
+    oracle = lambda i, batch: (batch.hidden[0] @ head["lm_head"].float().T).argmax(-1)  # noqa: E731
+    on_data = [(s[2] @ head["lm_head"].float().T).argmax(-1)[1:-1] == s[0][2:]
+               for s in (data.sample(i, 512) for i in range(len(data)))]
+    share = float(torch.cat(on_data).float().mean())
+    assert 0 < share < 1 and depth1_acceptance(oracle, url) == pytest.approx(share)
+
+    follows: dict[int, Counter] = {}
+    for i in range(len(data)):
+        ids = data.sample(i, 512)[0].tolist()
+        for a, b in zip(ids[:-1], ids[1:]):
+            follows.setdefault(a, Counter())[b] += 1
+    table = bigram_predictor(url)
+    probe = collate([data.sample(0, 512)])
+    assert any(max(c.values()) > 1 for c in follows.values())
+    for token, guess in zip(probe.input_ids[0].tolist(), table(0, probe).tolist()):
+        best = max(follows[token].values()) if token in follows else None
+        assert (guess == -1) if best is None else follows[token][guess] == best
+
+
 @pytest.mark.slow
 def test_the_gpu_check_dry_run_prints_every_measurement_on_cpu():
     """bench/gpu.py is the one script a lent GPU runs; its dry run walks the same code on CPU at toy sizes,

@@ -20,6 +20,18 @@ Each run trains as bench/quality.py does (300 steps of 2,048 tokens, stage 1, lr
 which it also trains on) and appends one JSON line to <workdir>/results.jsonl. In
 bench/ablations/depth1-results.jsonl the lines with a "scoring" field were scored held out instead (the
 split bench/quality.py makes).
+
+Second round, scored held out (docs/training.md, "Held out, second round"): `--held-out STORE` scores on
+every sample of that store instead, here the training and held-out stores of a bench/layers.py run. Its
+model switches are in bench/ablations/depth1-round2.patch, written against commit 7384a74: EXP_MLP=N (MLP
+width), EXP_ZEROINIT=1 (o_proj and the MLP's down projection start at zero), EXP_QBIAS=1 (a learned bias on
+the queries), EXP_CENTER=FILE (keys made from h - μ, μ a [d] tensor saved with torch.save, e.g.
+bench/depth1.py's `mean_state` of the training store). The other rows need only `train` flags (--lr,
+--noise-std, --warmup-steps, --seed, --config with {"regression_weight": w}); every line is in
+bench/ablations/depth1-round2-results.jsonl.
+
+    python bench/ablations/depth1.py reg0 beagle 300 --store runs/bench-layers/train-store \
+        --held-out runs/bench-layers/held-out-store -- --no-fuse-layers --config reg0.json
 """
 from __future__ import annotations
 
@@ -43,6 +55,8 @@ def main() -> None:
     parser.add_argument("drafter", choices=["beagle", "eagle2"])
     parser.add_argument("steps", type=int)
     parser.add_argument("--store", required=True, help="a bf16 store of the demo model (bench/extract.py's P1 store)")
+    parser.add_argument("--held-out", default=None, help="score on every sample of this store instead of the "
+                                                            "training store's first 32")
     parser.add_argument("--workdir", default="runs/ablations/depth1")
     parser.add_argument("train_flags", nargs="*", help="extra `train` flags, after --")
     args = parser.parse_args()
@@ -50,11 +64,13 @@ def main() -> None:
     drafter_dir = train(args.store, f"{args.workdir}/{args.name}", args.drafter, args.steps, 2048, 512,
                         *args.train_flags)
     head = StoreSet([args.store]).load_head()
-    tau, alpha = score_drafter(drafter_dir, args.store, head, samples=32, limit=512)
+    scored_on = args.held_out or args.store
+    samples = len(StoreSet([args.held_out])) if args.held_out else 32
+    tau, alpha = score_drafter(drafter_dir, scored_on, head, samples=samples, limit=512)
     line = {"name": args.name, "drafter": args.drafter, "steps": args.steps, "tau": round(tau, 4),
             "alpha": [round(a, 3) for a in alpha], "seconds": round(time.time() - started),
             "switches": {k: v for k, v in os.environ.items() if k.startswith("EXP_")},
-            "train_flags": args.train_flags}
+            "train_flags": args.train_flags, **({"scoring": "held out"} if args.held_out else {})}
     print(json.dumps(line))
     with open(f"{args.workdir}/results.jsonl", "a") as results:
         results.write(json.dumps(line) + "\n")
