@@ -48,6 +48,9 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
 @click.option("--lr", type=float, help="Peak learning rate. [3e-5]")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps. [2000]")
 @click.option("--noise-std", type=float, help="Key noise std as a fraction of the states' RMS. [0.2]")
+@click.option("--regression-weight", type=float,
+              help="Weight of the SmoothL1 regression of the drafted states next to the token loss (the "
+                   "method's 10; 0 trains the token loss alone, see docs/training.md). [10]")
 @click.option("--fuse-layers/--no-fuse-layers", default=None,
               help="Make true keys from a fusion of every layer the stores captured (extract --layers 8,16,-1), "
                    "EAGLE-3 style; the drafter still predicts and is scored on the last layer. [no]")

@@ -65,6 +65,7 @@ class TrainConfig:
             (self.lr > 0, "lr must be > 0"),
             (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
             (self.noise_std >= 0, "noise_std must be >= 0"),
+            (self.regression_weight >= 0, "regression_weight must be >= 0"),
             (self.grad_clip > 0, "grad_clip must be > 0"),
             (self.vocab_chunk is None or self.vocab_chunk >= 1, "vocab_chunk must be >= 1"),
             (self.draft_vocab >= 0, "draft_vocab must be >= 0 (0 = the full vocabulary)"),

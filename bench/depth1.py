@@ -93,10 +93,8 @@ def main() -> None:
                       max_length, "--window-size", str(k), "--simulation-steps", str(k))
         scores[f"beagle k={k}"] = score(path, held_out, head, max_length)
     for weight in (float(x) for x in args.regression_weights.split(",") if x):
-        config = work / f"regression-{weight:g}.json"
-        config.write_text(json.dumps({"regression_weight": weight}))
         path = _train(work / "train-store", work / f"run-beagle-reg{weight:g}-{steps}", "beagle", False, steps,
-                      batch_tokens, max_length, "--config", str(config))
+                      batch_tokens, max_length, "--regression-weight", str(weight))
         scores[f"beagle k=5, regression weight {weight:g}"] = score(path, held_out, head, max_length)
     for name, (tau, alphas) in scores.items():
         print(f"{name}: tau {tau:.3f} alpha {[round(a, 3) for a in alphas]}", flush=True)

@@ -115,6 +115,8 @@ def test_config_file_loads_rejects_unknown_keys_and_flags_override(tmp_path):
         load_config_file(bad)
     with pytest.raises(ValueError, match="simulation_steps=6"):
         TrainConfig(window_size=5, simulation_steps=6)
+    with pytest.raises(ValueError, match="regression_weight must be >= 0"):
+        TrainConfig(regression_weight=-1.0)
 
 
 @pytest.mark.slow
@@ -122,10 +124,12 @@ def test_cli_trains_with_config_file_and_flags(store, tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({**FAST, "max_steps": 50}))
     result = CliRunner().invoke(train_command, ["--store", store, "--out", str(tmp_path / "run"),
-                                                "--config", str(cfg), "--max-steps", "3", "--no-progress"])
+                                                "--config", str(cfg), "--max-steps", "3", "--regression-weight", "0",
+                                                "--no-progress"])
     assert result.exit_code == 0, result.output
     run_config = json.loads((tmp_path / "run" / "run_config.json").read_text())
     assert run_config["config"]["max_steps"] == 3 and run_config["config"]["window_size"] == 3
+    assert run_config["config"]["regression_weight"] == 0
     assert run_config["noise_std_relative"] == 0.2 and run_config["noise_std_absolute"] > 0
     bad = CliRunner().invoke(train_command, ["--store", store, "--out", str(tmp_path / "r2"),
                                              "--window-size", "2", "--simulation-steps", "3"])

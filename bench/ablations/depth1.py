@@ -27,11 +27,12 @@ model switches are in bench/ablations/depth1-round2.patch, written against commi
 width), EXP_ZEROINIT=1 (o_proj and the MLP's down projection start at zero), EXP_QBIAS=1 (a learned bias on
 the queries), EXP_CENTER=FILE (keys made from h - μ, μ a [d] tensor saved with torch.save, e.g.
 bench/depth1.py's `mean_state` of the training store). The other rows need only `train` flags (--lr,
---noise-std, --warmup-steps, --seed, --config with {"regression_weight": w}); every line is in
-bench/ablations/depth1-round2-results.jsonl.
+--noise-std, --warmup-steps, --seed, --regression-weight); every line is in
+bench/ablations/depth1-round2-results.jsonl (its `--config regW.json` held {"regression_weight": W}, W = 1,
+0.1 for "01", 0; the flag came after those runs).
 
     python bench/ablations/depth1.py reg0 beagle 300 --store runs/bench-layers/train-store \
-        --held-out runs/bench-layers/held-out-store -- --no-fuse-layers --config reg0.json
+        --held-out runs/bench-layers/held-out-store -- --no-fuse-layers --regression-weight 0
 """
 from __future__ import annotations
 
