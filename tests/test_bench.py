@@ -30,15 +30,21 @@ def test_docs_rewrite_keeps_everything_outside_the_markers(tmp_path):
     assert doc.read_text() == text
 
 
-def test_offline_eagle2_chain_matches_the_decode_time_cache(tmp_path):
-    url = build_tiny_store(tmp_path / "s", num_samples=2, min_len=14, max_len=14)
+def _random_drafter(cls, url: str, std: float):
+    """(store, its head, a `cls` drafter for its target with every parameter drawn from N(0, std), seed 0)."""
     data = StoreSet([url])
     head = data.load_head()
     torch.manual_seed(0)
-    model = Eagle2Drafter(DrafterConfig.from_architecture(data.target["architecture"]), head["embed_tokens"],
-                          head["lm_head"]).eval()
+    model = cls(DrafterConfig.from_architecture(data.target["architecture"]), head["embed_tokens"],
+                head["lm_head"]).eval()
     for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.1)
+        torch.nn.init.normal_(p, std=std)
+    return data, head, model
+
+
+def test_offline_eagle2_chain_matches_the_decode_time_cache(tmp_path):
+    url = build_tiny_store(tmp_path / "s", num_samples=2, min_len=14, max_len=14)
+    data, head, model = _random_drafter(Eagle2Drafter, url, std=0.1)
     batch = collate([data.sample(0, 100)])
     depth, n = 3, 5
     with torch.no_grad():
@@ -75,13 +81,7 @@ def test_depth1_rule_agrees_with_the_chain_and_the_bigram_table_counts_pairs(tmp
 
     # 8 tokens: pairs repeat (a random walk of steps 1-3) and the target's greedy token is often the data's
     url = build_tiny_store(tmp_path / "s", num_samples=12, min_len=10, max_len=16, vocab_size=8)
-    data = StoreSet([url])
-    head = data.load_head()
-    torch.manual_seed(0)
-    beagle = BeagleDrafter(DrafterConfig.from_architecture(data.target["architecture"]), head["embed_tokens"],
-                           head["lm_head"]).eval()
-    for p in beagle.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    data, head, beagle = _random_drafter(BeagleDrafter, url, std=0.2)
     _, alphas = chain_acceptance(beagle, url, depth=1, samples=12)
     assert depth1_acceptance(beagle_depth1_predictor(beagle), url) == pytest.approx(alphas[0])
     same_keys = beagle_depth1_predictor(beagle, keys=lambda i, batch: batch.hidden)
