@@ -2,7 +2,7 @@
 weight of the regression loss.
 
 Three measurements on the stores and drafters of a finished bench/layers.py run, all scored on its held-out
-store by the depth-1 rule of bench/acceptance.py:
+store (τ by the offline chain of bench/acceptance.py, α1 of other guessers by the same chain's depth-1 rule):
 - **Rows at depth 1.** EAGLE-2 trains every row at depth 1 (teacher-forced); Beagle's stage 1 trains each
   row at its depth in its window of k, so only 1/k of its rows teach depth 1. Beagle is retrained with
   windows k = 1 and 2 (`--windows`): if α1 rises past EAGLE-2's as k falls, the gap is the split of the
@@ -46,8 +46,8 @@ def what_the_states_add(work: Path, steps: int, max_length: int) -> dict[str, fl
     bench/layers.py run with true, mean-state and another sample's keys."""
     held_out, train = str(work / "held-out-store"), str(work / "train-store")
     head = StoreSet([train]).load_head()
-    model, meta = load_drafter(work / f"run-beagle-last-{steps}" / "drafter", embed_tokens=head["embed_tokens"].float(),
-                               lm_head=head["lm_head"].float())
+    model, meta = load_drafter(work / f"run-beagle-last-{steps}" / "drafter",
+                               embed_tokens=head["embed_tokens"].float(), lm_head=head["lm_head"].float())
     vocab = torch.tensor(meta["draft_vocab"]) if meta.get("draft_vocab") else None
     mean = mean_state(train, max_length)
     others = StoreSet([held_out])
