@@ -114,13 +114,12 @@ Predictor = Callable[[int, Batch], torch.Tensor]  # (sample index, its batch) ->
 
 
 @torch.inference_mode()
-def depth1_acceptance(predict: Predictor, store_url: str, *, samples: int | None = None, limit: int = 512,
-                      key_layers: tuple[int, ...] | None = None) -> float:
+def depth1_acceptance(predict: Predictor, store_url: str, *, samples: int | None = None, limit: int = 512) -> float:
     """α1 of any next-token guesser by `chain_acceptance`'s depth-1 rule: the guess at row n+1 must equal the
     target's greedy token there, and that token must be the data token. Counted over roots n = 0..L-3 of
     every sample (or the first `samples`), as a chain of depth 1 counts them; a bigram table and a drafter
     with ablated keys are scored by the same rule as the drafters."""
-    data = StoreSet([store_url], key_layers=key_layers)
+    data = StoreSet([store_url])
     head = data.load_head()
     accepted = roots = 0
     for i in range(len(data) if samples is None else min(samples, len(data))):
@@ -160,15 +159,16 @@ def bigram_predictor(store_url: str, *, limit: int = 512) -> Predictor:
 
 def beagle_depth1_predictor(model: BeagleDrafter, vocab: torch.Tensor | None = None,
                             keys: Callable[[int, Batch], torch.Tensor] | None = None) -> Predictor:
-    """Beagle's depth-1 guesses (every row drafts from the true states before it). `keys` maps (sample
-    index, batch) to other states [1, L, w] to make its keys from (an ablation: the store's mean state,
-    another sample's states); they replace what its true keys are made of (`Batch.key_input`), while the
-    greedy tokens it is scored against stay the true ones."""
-    field = "key_states" if model.config.fused else "hidden"
+    """Depth-1 guesses of a last-layer Beagle drafter (every row drafts from the true states before it).
+    `keys` maps (sample index, batch) to other states [1, L, d] to make its keys from (an ablation: the
+    store's mean state, another sample's states), while the greedy tokens it is scored against stay the
+    true ones."""
+    if model.config.fused:
+        raise ValueError("depth-1 key ablations are for last-layer drafters; this one fuses several layers")
 
     def predict(index: int, batch: Batch) -> torch.Tensor:
         if keys is not None:
-            batch = dataclasses.replace(batch, **{field: keys(index, batch)})
+            batch = dataclasses.replace(batch, hidden=keys(index, batch))
         return _beagle_chain_tokens(model, batch, 1, vocab)[0][0]
     return predict
 
