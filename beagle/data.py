@@ -42,13 +42,14 @@ class Batch:
                      states(self.hidden), self.lengths.to(device, non_blocking=True),
                      self.row_start, self.global_rows, key_states, self.tokens)
 
-    def key_input(self, fused: bool) -> Tensor:
-        """What a drafter's true keys are made of: the key layers' states for fused keys, else `hidden`."""
-        if not fused:
+    def key_input(self, key_states: bool) -> Tensor:
+        """What a drafter's true keys are made of: the key layers' states (`DrafterConfig.reads_key_states`),
+        else `hidden`."""
+        if not key_states:
             return self.hidden
         if self.key_states is None:
-            raise ValueError("the drafter fuses several target layers but this batch carries the last layer "
-                             "only; read the stores with StoreSet(..., fuse_layers=True)")
+            raise ValueError("the drafter reads other target layers than the last but this batch carries the "
+                             "last layer only; read the stores with StoreSet(..., key_layers=...)")
         return self.key_states
 
     def noise(self, generator: torch.Generator | None, draw: Any = torch.randn) -> Tensor:
@@ -89,7 +90,7 @@ class StoreSet:
     """One or more stores of the same target, read as one list of samples."""
 
     def __init__(self, urls: list[str], *, cache_dir: str | None = None, verify: bool = True,
-                 fuse_layers: bool = False, key_layers: tuple[int, ...] | None = None,
+                 fuse_layers: bool = False, key_layers: tuple[int, ...] | None = None, aux_keys: bool = False,
                  verify_share: tuple[int, int] = (0, 1)) -> None:
         """verify: hash each store file on its first read (a corrupted or foreign file stops training,
         named, before any of its bytes reach a batch); see docs/reliability.md.
@@ -111,7 +112,12 @@ class StoreSet:
                 raise ValueError(f"hidden_size differs: {self.urls[0]} has {first.hidden_size}, "
                                  f"{url} has {store.hidden_size}")
         self._layer = [self._pick_layer(u, s.layers) for u, s in zip(self.urls, self.stores)]
-        self.key_layers = tuple(key_layers) if key_layers else self._fusable_layers() if fuse_layers else (-1,)
+        if key_layers:
+            self.key_layers = tuple(key_layers)
+        elif aux_keys:
+            self.key_layers = self._aux_layers()
+        else:
+            self.key_layers = self._fusable_layers() if fuse_layers else (-1,)
         for url, store in zip(self.urls, self.stores):
             missing = sorted(set(self.key_layers) - set(store.layers))
             if missing:
@@ -145,6 +151,16 @@ class StoreSet:
                              "re-extract with e.g. `--layers 8,16,-1`, or train without --fuse-layers")
         return tuple(sorted(common - {-1})) + (-1,)
 
+    def _aux_layers(self) -> tuple[int, ...]:
+        """The residual-stream layers (0..n-1, not -1) every store captured, ascending: the keys of a
+        state-residual drafter (docs/method.md §9), the layers an engine hands an EAGLE-3 drafter."""
+        common = set.intersection(*[set(s.layers) for s in self.stores]) - {-1}
+        if not common:
+            raise ValueError(f"{self.urls[0]} captured only layer(s) {sorted(self.stores[0].layers)}; a state-residual "
+                             "drafter reads the residual stream entering decoder layers: re-extract with e.g. "
+                             "`--layers 2,15,27,-1` (or `--layers N-1,-1` for the last layer's input)")
+        return tuple(sorted(common))
+
     @property
     def target(self) -> dict:
         return self.stores[0].target
@@ -172,7 +188,7 @@ class StoreSet:
         dtype = None if as_stored else torch.float32
         hidden = s["hidden_states"][self._layer[which], :limit]
         fields = (s["input_ids"][:limit], s["loss_mask"][:limit], hidden.to(dtype or hidden.dtype))
-        if len(self.key_layers) == 1:
+        if self.key_layers == (-1,):
             return fields
         layers = s["hidden_states"][self._key_index[which], :limit]                 # [n, L, d]
         return (*fields, layers.transpose(0, 1).reshape(layers.shape[1], -1).to(dtype or layers.dtype))
@@ -270,9 +286,10 @@ class Loader:
 
         lo, hi = shard_bounds(len(rows), rank, world)
         longest = max(min(int(self.data.lengths[i]), self.limit) for i in rows)
-        fused = len(self.data.key_layers)
+        key_layers = self.data.key_layers
+        key_width = 0 if key_layers == (-1,) else len(key_layers) * self.data.hidden_size
         batch = collate(self._samples(rows[lo:hi]), pad_to=longest, hidden_size=self.data.hidden_size,
-                        key_width=fused * self.data.hidden_size if fused > 1 else 0, pin=self.to_gpu)
+                        key_width=key_width, pin=self.to_gpu)
         batch.row_start, batch.global_rows = lo, len(rows)
         return batch
 

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from beagle.block import add_block_layers, attend_and_mix, project_kv, project_queries
 from beagle.data import Batch
 from beagle.losses import LossSums, drafter_loss_sums
-from beagle.model import (DrafterConfig, LayerFusion, RMSNorm, SwiGLU, fuse_key_states, grouped_attention, loss_head,
-                          register_frozen_head, rotary)
+from beagle.model import DrafterConfig, LayerFusion, fuse_key_states, loss_head, register_frozen_head
 
 DRAFTER_TYPE = "eagle2"
 # EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; our losses are CE + regression_weight·SmoothL1 (10 by default).
@@ -34,18 +34,14 @@ class Eagle2Drafter(nn.Module):
     BeagleDrafter: `state_dict()` (the export) holds only the trained weights."""
 
     drafter_type = DRAFTER_TYPE
+    carries_state = True  # each query fuses its parent's state (docs/method.md §7)
 
     def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
         super().__init__()
         self.config = c = config
         register_frozen_head(self, config, embed_tokens, lm_head)
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        add_block_layers(self, c)  # q/k/v/o, post_attention_norm, mlp (beagle/block.py)
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -62,25 +58,12 @@ class Eagle2Drafter(nn.Module):
 
     def project_fused(self, z: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Fused inputs [B, L, d] at positions [B, L] -> k, v [B, H_kv, L, hd] (RoPE on k)."""
-        B, L, _ = z.shape
-        c = self.config
-        k = self.k_proj(z).view(B, L, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(z).view(B, L, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return rotary(k, positions, c.rope_theta), v
+        return project_kv(self, z, positions)
 
     def attend(self, z: Tensor, positions: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tensor:
         """Queries from fused inputs z [B, Lq, d] over k, v [B, H_kv, Lk, hd]; attn_mask [B, 1, Lq, Lk]
         (True = visible) -> draft states [B, Lq, d]. A row with no visible key gets zero attention."""
-        c = self.config
-        B, Lq, _ = z.shape
-        q = self.q_proj(z).view(B, Lq, c.num_attention_heads, c.head_dim)
-        q = rotary(q.transpose(1, 2), positions, c.rope_theta)                # [B, H, Lq, hd]
-        has_key = attn_mask.any(dim=-1, keepdim=True)                          # [B, 1, Lq, 1]
-        mask = attn_mask | ~has_key
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        attn = grouped_attention(q, k, v, mask) * has_key.to(q.dtype)          # [B, H, Lq, hd]
-        u = z + self.o_proj(attn.transpose(1, 2).reshape(B, Lq, c.num_attention_heads * c.head_dim))
-        return u + self.mlp(self.post_attention_norm(u))                       # [B, Lq, d]
+        return attend_and_mix(self, project_queries(self, z, positions), k, v, attn_mask, z)
 
     def forward_sequence(self, input_ids: Tensor, states: Tensor, lengths: Tensor) -> Tensor:
         """Teacher-forced pass: row p fuses t_p with the (noised) true state h_{p-1} and attends causally
@@ -110,9 +93,13 @@ class Eagle2Drafter(nn.Module):
                              torch.cat([attn_mask, eye], dim=-1))
         return hidden, own_k, own_v
 
+    def head_input(self, hidden: Tensor) -> Tensor:
+        """What the LM head reads of a draft state: the state itself."""
+        return hidden
+
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft states [B, Lq, d] -> logits [B, Lq, V] through the target's frozen LM head."""
-        return hidden @ self.lm_head.to(hidden.dtype).T
+        return self.head_input(hidden) @ self.lm_head.to(hidden.dtype).T
 
 
 def causal_mask(length: int, device: torch.device | str = "cpu") -> Tensor:
@@ -170,7 +157,7 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
 
     LOSS_SCALE · (CE + regression_weight · SmoothL1) = 1.0·SmoothL1 + 0.1·CE at the default weight 10."""
     B, L, d = batch.hidden.shape
-    true_states = fuse_key_states(model, batch.key_input(model.config.fused))                 # [B, L, d]
+    true_states = fuse_key_states(model, batch.key_input(model.config.reads_key_states))                 # [B, L, d]
     states = uniform_noise(true_states, batch, settings.noise_std, generator)
     hidden = model.forward_sequence(batch.input_ids, states, batch.lengths)             # [B, L, d]
     weight = torch.zeros(B, L, device=hidden.device)

@@ -15,19 +15,17 @@ import torch
 from safetensors.torch import load_file, save
 from torch import Tensor
 
-from beagle.eagle2 import Eagle2Drafter
-from beagle.model import BeagleDrafter, DrafterConfig
+from beagle.model import DrafterConfig
+from beagle.registry import build_drafter, form_named
 from pipeline.store import atomic
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-DRAFTER_TYPE = "beagle"
-DRAFTER_CLASSES = {DRAFTER_TYPE: BeagleDrafter, "eagle2": Eagle2Drafter}
 
 
-def save_drafter(directory: str | os.PathLike, model: BeagleDrafter | Eagle2Drafter, *,
+def save_drafter(directory: str | os.PathLike, model: torch.nn.Module, *,
                  metadata: dict[str, Any]) -> None:
     """Write the drafter's trainable weights and a config.json with DrafterConfig + metadata.
 
@@ -37,16 +35,16 @@ def save_drafter(directory: str | os.PathLike, model: BeagleDrafter | Eagle2Draf
     directory.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     atomic.write_bytes(directory / WEIGHTS_NAME, save(weights, metadata={"format": "pt"}))
-    config = {**metadata, **model.config.to_dict(), "drafter_type": getattr(model, "drafter_type", DRAFTER_TYPE)}
+    config = {**metadata, **model.config.to_dict(), "drafter_type": model.drafter_type}
     atomic.write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     log.info("exported drafter to %s (%d tensors)", directory, len(weights))
 
 
 def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head: Tensor,
                  device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> tuple[BeagleDrafter | Eagle2Drafter, dict[str, Any]]:
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Rebuild a drafter from `save_drafter` output and the target's frozen embedding / LM head; the
-    class follows config.json's drafter_type (beagle, or the eagle2 baseline)."""
+    class follows config.json's drafter_type (a form of beagle/registry.py)."""
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     for path in (config_path, weights_path):
@@ -54,13 +52,10 @@ def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head:
             raise FileNotFoundError(f"{path} not found; point --drafter at a RUN/drafter directory "
                                     "written by `beagle-pipeline train`")
     meta = json.loads(config_path.read_text(encoding="utf-8"))
-    drafter_class = DRAFTER_CLASSES.get(meta.get("drafter_type"))
-    if drafter_class is None:
-        raise ValueError(f"{config_path} has drafter_type={meta.get('drafter_type')!r}, "
-                         f"expected one of {sorted(DRAFTER_CLASSES)}")
+    form = form_named(meta.get("drafter_type"), where=f"{config_path}: drafter_type")
     names = DrafterConfig.__dataclass_fields__.keys()
     config = DrafterConfig.from_dict({k: meta[k] for k in names if k in meta})
-    model = drafter_class(config, embed_tokens, lm_head)
+    model = build_drafter(form, config, embed_tokens, lm_head)
     state = load_file(str(weights_path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -18,33 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from beagle.block import (RMSNorm, SwiGLU, add_block_layers, attend_and_mix, grouped_attention,  # noqa: F401
+                          project_kv, project_queries, rotary)
 from beagle.target_facts import architecture_values
 
-
-def _sdpa_has_gqa() -> bool:
-    """torch >= 2.5 broadcasts KV heads itself; older ones need repeat_interleave."""
-    doc = F.scaled_dot_product_attention.__doc__ or ""
-    return "enable_gqa" in doc.split("->")[0]
-
-
-_SDPA_HAS_GQA = _sdpa_has_gqa()
-
-
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, expand: bool | None = None) -> Tensor:
-    """Masked SDPA of q [B, H, Lq, hd] over k, v [B, H_kv, Lk, hd] (H a multiple of H_kv), mask
-    [B or 1, 1, Lq, Lk] (True = visible) -> [B, H, Lq, hd].
-
-    `enable_gqa` broadcasts the KV heads without a copy, but on CUDA a masked SDPA with it runs only in the
-    math kernel (fp32 [B, H, Lq, Lk] scores); there the KV heads are expanded instead, which the
-    memory-efficient kernel takes with a mask. `expand` None: decide by device (tests force either)."""
-    groups = q.shape[1] // k.shape[1]
-    if expand is None:
-        expand = q.device.type != "cpu" or not _SDPA_HAS_GQA
-    if groups > 1 and expand:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)    # [B, H, Lk, hd]
-    elif groups > 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+RESIDUALS = ("embedding", "state")
 
 
 @dataclass(frozen=True)
@@ -59,13 +37,26 @@ class DrafterConfig:
     vocab_size: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
-    # Target layers whose states make a key (HF hidden_states indices, -1 = after the final norm, always
-    # last). More than one: the keys of true positions come from a fusion of these layers (docs/training.md).
+    # Target layers whose states make a key (HF hidden_states indices). Residual "embedding" (docs/method.md
+    # §1): -1 = after the final norm, always last; more than one: the keys of true positions come from a fusion
+    # of these layers (docs/training.md). Residual "state" (docs/method.md §9): the residual stream entering
+    # decoder layers (0..n-1, ascending), an engine's aux hidden states, always fused (EAGLE-3's fc).
     key_layers: tuple[int, ...] = (-1,)
+    # What the block's residual stream starts from: the query token's embedding (Beagle as in the paper) or
+    # the previous position's state (the engine form, a special case of an EAGLE-3 layer).
+    residual: str = "embedding"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_layers", tuple(int(layer) for layer in self.key_layers))
-        if not self.key_layers or self.key_layers[-1] != -1 or len(set(self.key_layers)) != len(self.key_layers):
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual={self.residual!r} must be one of {list(RESIDUALS)}")
+        distinct = bool(self.key_layers) and len(set(self.key_layers)) == len(self.key_layers)
+        if self.residual == "state":
+            if not distinct or min(self.key_layers) < 0 or list(self.key_layers) != sorted(self.key_layers):
+                raise ValueError(f"key_layers={list(self.key_layers)}: a state-residual drafter reads the residual "
+                                 "stream entering decoder layers: distinct layers 0..n-1 in ascending order "
+                                 "(an engine concatenates them in that order), not -1")
+        elif not distinct or self.key_layers[-1] != -1:
             raise ValueError(f"key_layers={list(self.key_layers)} must be distinct layers ending with -1 "
                              "(the state the LM head reads)")
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -103,7 +94,13 @@ class DrafterConfig:
 
     @property
     def fused(self) -> bool:
-        return len(self.key_layers) > 1
+        """True keys pass through a fusion map (`LayerFusion`): several layers, or any state-residual drafter."""
+        return len(self.key_layers) > 1 or self.residual == "state"
+
+    @property
+    def reads_key_states(self) -> bool:
+        """Whether its true keys are made of `Batch.key_states` (the key layers) rather than `Batch.hidden`."""
+        return self.key_layers != (-1,)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
@@ -112,44 +109,6 @@ class DrafterConfig:
         if unknown:
             raise ValueError(f"unknown DrafterConfig keys {unknown}; expected a subset of {sorted(names)}")
         return cls(**d)
-
-
-class RMSNorm(nn.Module):
-    """Llama-style RMSNorm, computed in fp32 for stability under bf16 autocast."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
-
-
-def rotary(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Apply RoPE (HF Llama's rotate-half convention) to x [B, H, L, hd] at positions [B, L]."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    angles = positions.to(torch.float32)[..., None] * inv_freq          # [B, L, hd/2]
-    emb = torch.cat([angles, angles], dim=-1)[:, None]                  # [B, 1, L, hd]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def register_frozen_head(module: nn.Module, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
@@ -223,18 +182,19 @@ class BeagleDrafter(nn.Module):
     """The drafter block. Embedding and LM head are frozen non-persistent buffers:
     `.to()` moves them, `state_dict()` (the exported weights) leaves them out."""
 
+    drafter_type = "beagle"
+    carries_state = False  # the residual stream starts from the query's embedding, not a fed-in state
+
     def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
         super().__init__()
+        if config.residual != "embedding":
+            raise ValueError(f"BeagleDrafter is the embedding-residual form; residual={config.residual!r} is "
+                             "beagle.state_beagle.StateBeagleDrafter (beagle/registry.py picks it)")
         self.config = c = config
         register_frozen_head(self, config, embed_tokens, lm_head)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)       # on queries (embeddings)
         self.kv_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)          # on key/value states [ours]
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        add_block_layers(self, c)                                      # q/k/v/o, post_attention_norm, mlp
         self.layer_fusion = LayerFusion(c) if c.fused else None
         self.reset_parameters()
 
@@ -249,12 +209,7 @@ class BeagleDrafter(nn.Module):
         """Target (or predicted) states [B, Lk, d] at positions [B, Lk] -> k, v [B, H_kv, Lk, hd].
 
         Keys are computed once per state and reused by every query (a KV cache at draft time)."""
-        B, Lk, _ = states.shape
-        c = self.config
-        s = self.kv_norm(states)
-        k = self.k_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(s).view(B, Lk, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return rotary(k, positions, c.rope_theta), v
+        return project_kv(self, self.kv_norm(states), positions)
 
     def project_true_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Keys of true target states [B, Lk, n_layers * d] (the key layers, concatenated): fused, then
@@ -262,30 +217,23 @@ class BeagleDrafter(nn.Module):
         return self.project_keys(fuse_key_states(self, states), positions)
 
     def forward_hidden(self, input_ids: Tensor, positions: Tensor, k: Tensor, v: Tensor,
-                       attn_mask: Tensor) -> Tensor:
+                       attn_mask: Tensor, residual: Tensor | None = None) -> Tensor:
         """Draft states ĥ [B, Lq, d] for tokens input_ids [B, Lq] at positions [B, Lq].
 
         k, v: [B, H_kv, Lk, hd] from `project_keys`; attn_mask [B, 1, Lq, Lk], True = visible.
-        A query that sees no key gets a zero attention output (finite, no NaN)."""
-        c = self.config
-        B, Lq = input_ids.shape
+        `residual` is for state-carrying forms and must be None here. A query that sees no key gets a
+        zero attention output (finite, no NaN)."""
+        if residual is not None:
+            raise ValueError("the embedding-residual Beagle starts its residual from the query embedding")
         # In the weights' dtype: a bf16-kept frozen embedding must not start a bf16 residual stream in training
         x = F.embedding(input_ids, self.embed_tokens).to(self.q_proj.weight.dtype)   # [B, Lq, d]
-        q = self.q_proj(self.input_norm(x)).view(B, Lq, c.num_attention_heads, c.head_dim)
-        q = rotary(q.transpose(1, 2), positions, c.rope_theta)              # [B, H, Lq, hd]
-        has_key = attn_mask.any(dim=-1, keepdim=True)                       # [B, 1, Lq, 1]
-        # An all-hidden row would give softmax over nothing (NaN): let it see everything, then zero it.
-        mask = attn_mask | ~has_key
-        if k.dtype != q.dtype:  # autocast leaves projections in bf16 but q may come out in fp32
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        attn = grouped_attention(q, k, v, mask) * has_key.to(q.dtype)       # [B, H, Lq, hd]
-        u = x + self.o_proj(attn.transpose(1, 2).reshape(B, Lq, c.num_attention_heads * c.head_dim))
-        return u + self.mlp(self.post_attention_norm(u))                    # [B, Lq, d]
+        q = project_queries(self, self.input_norm(x), positions)            # [B, H, Lq, hd]
+        return attend_and_mix(self, q, k, v, attn_mask, x)                  # [B, Lq, d]
+
+    def head_input(self, hidden: Tensor) -> Tensor:
+        """What the LM head reads of a draft state: ĥ itself (it estimates the post-norm h)."""
+        return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft states [B, Lq, d] -> logits [B, Lq, V] through the target's frozen LM head."""
-        return hidden @ self.lm_head.to(hidden.dtype).T
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        """The weights a run exports: everything but the frozen embedding and LM head."""
-        return dict(self.state_dict())
+        return self.head_input(hidden) @ self.lm_head.to(hidden.dtype).T

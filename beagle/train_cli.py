@@ -25,6 +25,15 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
         raise click.UsageError(str(exc)) from exc
 
 
+def _layer_list(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated layer indices, e.g. 2,15,27") from None
+
+
 @click.command("train")
 @click.option("--store", "stores", multiple=True, required=True,
               help="Feature store (path or fsspec URL); repeat to train on several stores of one target.")
@@ -54,6 +63,14 @@ def build_config(config_file: str | None, flags: dict[str, Any]) -> TrainConfig:
 @click.option("--fuse-layers/--no-fuse-layers", default=None,
               help="Make true keys from a fusion of every layer the stores captured (extract --layers 8,16,-1), "
                    "EAGLE-3 style; the drafter still predicts and is scored on the last layer. [no]")
+@click.option("--residual", type=click.Choice(["embedding", "state"]),
+              help="Beagle's residual stream: the query's embedding (the paper's form), or the previous "
+                   "position's state, the engine form that `export --format eagle3` serves in vLLM/SGLang "
+                   "(docs/method.md §9; keys from the layers --key-layers names). [embedding]")
+@click.option("--key-layers", callback=lambda ctx, param, value: _layer_list(value),
+              help="With --residual state: the captured layers (HF hidden_states indices 0..n-1, the residual "
+                   "stream entering decoder layer i) whose states make the keys, e.g. 2,15,27. [every captured "
+                   "layer but -1]")
 @click.option("--detach-feedback/--no-detach-feedback", default=None,
               help="Cut gradients through fed-back predicted states in stage 2. [no]")
 @click.option("--vocab-chunk", type=int,

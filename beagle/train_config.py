@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 
-DRAFTERS = ("beagle", "eagle2")
+DRAFTERS = ("beagle", "eagle2")          # beagle.registry.TRAINABLE; with residual="state" beagle is beagle-state
+RESIDUALS = ("embedding", "state")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class TrainConfig:
     detach_feedback: bool = False         # cut gradients through fed-back predicted states
     stage2_recompute: bool = True         # recompute each stage-2 step in backward: memory flat in s
     fuse_layers: bool = False             # keys from a fusion of every layer the stores captured (EAGLE-3 style)
+    residual: str = "embedding"           # embedding | state: the Beagle residual stream (docs/method.md §9)
+    key_layers: tuple[int, ...] | None = None  # residual state: which captured layers (0..n-1) make keys; None: all
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length), the global batch under DDP
     rank_batch_tokens: int | None = None  # instead: tokens per data-parallel rank; global = this x world size
@@ -52,6 +55,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.drafter in DRAFTERS, f"drafter={self.drafter!r} must be one of {list(DRAFTERS)}"),
+            (self.residual in RESIDUALS, f"residual={self.residual!r} must be one of {list(RESIDUALS)}"),
+            (self.residual == "embedding" or self.drafter == "beagle",
+             f"residual={self.residual!r} is a Beagle form; drafter={self.drafter!r} has its own input"),
+            (self.key_layers is None or self.residual == "state",
+             "key_layers chooses the keys of a state-residual drafter (residual='state'); the embedding form "
+             "takes -1, or every captured layer with fuse_layers"),
+            (not (self.fuse_layers and self.residual == "state"),
+             "fuse_layers is implied by residual='state' (it always fuses its key layers); drop it"),
             (self.window_size >= 1, "window_size must be >= 1"),
             (1 <= self.simulation_steps <= self.window_size,
              f"simulation_steps={self.simulation_steps} must lie in 1..window_size ({self.window_size})"),
@@ -92,6 +103,8 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["betas"] = list(self.betas)
+        if self.key_layers is not None:
+            d["key_layers"] = list(self.key_layers)
         return d
 
     @classmethod
@@ -103,6 +116,8 @@ class TrainConfig:
         d = dict(d)
         if "betas" in d:
             d["betas"] = tuple(float(b) for b in d["betas"])
+        if d.get("key_layers") is not None:
+            d["key_layers"] = tuple(int(layer) for layer in d["key_layers"])
         return cls(**d)
 
     def override(self, **changes: Any) -> "TrainConfig":

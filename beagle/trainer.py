@@ -20,12 +20,12 @@ from beagle import distributed
 from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
 from beagle.devices import pick_device
-from beagle.eagle2 import Eagle2Drafter, eagle2_loss
 from beagle.export import save_drafter
 from beagle.losses import LossSums
-from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary
+from beagle.model import DrafterConfig, restrict_loss_vocabulary
 from beagle.precision import autocast, keep_frozen_head_in, training_dtype
-from beagle.stages import StageSettings, stage1_loss, stage2_loss
+from beagle.registry import build_drafter, form_for
+from beagle.stages import StageSettings
 from beagle.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
     """Open the stores, check or create the run directory, build the drafter and its optimizer, and
     restore the latest checkpoint when resuming."""
     data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store, fuse_layers=config.fuse_layers,
+                    key_layers=config.key_layers, aux_keys=config.residual == "state",
                     verify_share=(ctx.rank, ctx.world_size))
     checkpoint = latest_checkpoint(run_dir) if resume else None
     config = _check_run_dir(run_dir, config.for_world_size(ctx.world_size), data, resume=resume,
@@ -177,14 +178,15 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
                    ) -> tuple[torch.nn.Module, DrafterConfig, torch.Tensor | None]:
     """The drafter on `device` with the target's frozen head, seeded; its loss head is restricted to
     the draft vocabulary when one is asked for, and kept once in the training dtype."""
-    drafter_config = replace(DrafterConfig.from_architecture(data.target["architecture"]), key_layers=data.key_layers)
+    drafter_config = replace(DrafterConfig.from_architecture(data.target["architecture"]), key_layers=data.key_layers,
+                             residual=config.residual)
     if data.hidden_size != drafter_config.hidden_size:
         raise ValueError(f"store hidden_size {data.hidden_size} != target architecture hidden_size "
                          f"{drafter_config.hidden_size} in {data.urls[0]}")
     head = data.load_head()
     torch.manual_seed(config.seed)
-    drafter_class = Eagle2Drafter if config.drafter == "eagle2" else BeagleDrafter
-    model = drafter_class(drafter_config, head["embed_tokens"].float(), head["lm_head"].float()).to(device)
+    form = form_for(config.drafter, config.residual)
+    model = build_drafter(form, drafter_config, head["embed_tokens"].float(), head["lm_head"].float()).to(device)
     draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size)
     if draft_tokens is not None:
         restrict_loss_vocabulary(model, draft_tokens)
@@ -205,9 +207,8 @@ def _write_run_config(run_dir: Path, config: TrainConfig, data: StoreSet, drafte
 
 
 def _stage_loss(config: TrainConfig, stage: int) -> Callable[..., LossSums]:
-    if config.drafter == "eagle2":  # one teacher-forced loss for every epoch (docs/method.md §7)
-        return eagle2_loss
-    return stage1_loss if stage == 1 else stage2_loss
+    """The form's loss for this stage (EAGLE-2: one teacher-forced loss for every epoch, docs/method.md §7)."""
+    return form_for(config.drafter, config.residual).stage_loss(stage)
 
 
 def _train_epochs(run: _Run, on_step: Callable[[dict[str, Any], int], None] | None) -> tuple[int, int]:

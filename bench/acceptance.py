@@ -46,7 +46,7 @@ def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int, vocab=None) ->
     B, L, d = batch.hidden.shape
     pos = torch.arange(L)
     positions = pos.expand(B, L)
-    true = fuse_key_states(model, batch.key_input(model.config.fused))                  # [B, L, d]
+    true = fuse_key_states(model, batch.key_input(model.config.reads_key_states))                  # [B, L, d]
     previous = torch.cat([true.new_zeros(B, 1, d), true[:, :-1]], dim=1)
     true_z = model.fuse(batch.input_ids, previous)
     k0, v0 = model.project_fused(true_z, positions)

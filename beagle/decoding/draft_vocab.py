@@ -103,12 +103,23 @@ class ReducedVocabDrafter(nn.Module):
     def project_true_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.drafter.project_true_keys(states, positions)
 
-    def forward_hidden(self, input_ids, positions, k, v, attn_mask) -> Tensor:
-        return self.drafter.forward_hidden(input_ids, positions, k, v, attn_mask)
+    def forward_hidden(self, input_ids, positions, k, v, attn_mask, residual=None) -> Tensor:
+        return self.drafter.forward_hidden(input_ids, positions, k, v, attn_mask, residual)
+
+    def head_input(self, hidden: Tensor) -> Tensor:
+        return self.drafter.head_input(hidden)
 
     @property
     def drafter_type(self) -> str:
-        return getattr(self.drafter, "drafter_type", "beagle")
+        return self.drafter.drafter_type
+
+    @property
+    def carries_state(self) -> bool:
+        return self.drafter.carries_state
+
+    # The engine-form Beagle's decoding interface (see beagle/state_beagle.py).
+    def fuse_true_states(self, states: Tensor) -> Tensor:
+        return self.drafter.fuse_true_states(states)
 
     # The EAGLE-2 baseline's decoding interface (see beagle/eagle2.py).
     def draft_step(self, *args, **kwargs):
@@ -122,7 +133,7 @@ class ReducedVocabDrafter(nn.Module):
 
     def compact_logits(self, hidden: Tensor) -> Tensor:
         """[B, Lq, d] -> [B, Lq, N]: logits of the subset, column j for token `tokens[j]`."""
-        return self.head(hidden.to(self.head.weight.dtype))
+        return self.head(self.head_input(hidden).to(self.head.weight.dtype))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[B, Lq, d] -> [B, Lq, V], scored on the subset only (every other token -inf)."""

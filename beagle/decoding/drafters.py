@@ -63,7 +63,7 @@ class BeagleBackend:
 class Eagle2Backend:
     concatenate = True
 
-    def __init__(self, drafter: torch.nn.Module) -> None:
+    def __init__(self, drafter: torch.nn.Module, concatenate: bool = True) -> None:
         from beagle.eagle2 import Eagle2KeyCache
 
         self.drafter = drafter
@@ -97,11 +97,43 @@ class Eagle2Backend:
         return _scored_logits(self.drafter, hidden)
 
 
+class StateBeagleBackend:
+    """The engine-form Beagle (docs/method.md §9): keys are projected fused states; a query's residual starts
+    from its parent's state (the last true state for the root, the parent's output deeper), and every drafted
+    output is a key for the node's descendants, as an EAGLE-3 engine drafts it (so always concatenated)."""
+
+    concatenate = True
+
+    def __init__(self, drafter: torch.nn.Module, concatenate: bool = True) -> None:
+        from beagle.state_beagle import StateKeyCache
+
+        self.drafter = drafter
+        self.cache = StateKeyCache(drafter)
+        self.token_ids = scored_columns(drafter)
+
+    def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.cache.append(states, positions)
+
+    def keys(self) -> torch.Tensor:
+        return self.cache.keys
+
+    def values(self) -> torch.Tensor:
+        return self.cache.values
+
+    def root_parent_states(self) -> torch.Tensor:
+        return self.cache.last_state[None, None]  # [1, 1, d]: s_n, the root query's residual
+
+    def step(self, tokens, positions, parent_states, keys, values, mask, need_bank: bool):
+        hidden = self.drafter.forward_hidden(tokens, positions, keys, values, mask, parent_states)  # [1, q, d]
+        bank = self.drafter.project_keys(hidden, positions) if need_bank else None
+        return hidden, bank
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _scored_logits(self.drafter, hidden)
+
+
 def draft_backend(drafter: torch.nn.Module, concatenate: bool = True):
-    """The backend for a drafter, by its `drafter_type` ("beagle" unless it says otherwise)."""
-    kind = getattr(drafter, "drafter_type", "beagle")
-    if kind == "eagle2":
-        return Eagle2Backend(drafter)
-    if kind == "beagle":
-        return BeagleBackend(drafter, concatenate)
-    raise ValueError(f"drafter_type={kind!r} has no decoding backend; expected 'beagle' or 'eagle2'")
+    """The backend of a drafter's form (beagle/registry.py), by its `drafter_type`."""
+    from beagle.registry import form_of
+
+    return form_of(drafter).backend(drafter, concatenate)
