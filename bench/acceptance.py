@@ -25,7 +25,7 @@ def _top1(model, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tens
     """Draft top-1 token ids [B, L] from states [B, L, d], over `vocab` [N] only when given."""
     if vocab is None:
         return model.logits(hidden).argmax(-1)
-    return vocab[(hidden @ model.lm_head[vocab].to(hidden.dtype).T).argmax(-1)]
+    return vocab[(model.head_input(hidden) @ model.lm_head[vocab].to(hidden.dtype).T).argmax(-1)]
 
 
 def _beagle_chain_tokens(model: BeagleDrafter, batch, depth: int, vocab=None) -> dict[int, torch.Tensor]:
