@@ -31,7 +31,27 @@ demo: $(DEMO_STAMP)
 demo-smoke: $(DEMO_STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pipeline.demo.run --smoke
 
-test: $(STAMP)
+# speculators (0.9.0) in its own venv: tests/test_engine_export.py checks an exported EAGLE-3 drafter against
+# speculators' own Eagle3DraftModel. It pins transformers<=5.19, so it cannot share .venv (transformers 5.24).
+# torch first (the CPU pin), and pinned again beside speculators: its unpinned torchvision/torchaudio would
+# otherwise upgrade torch to a multi-GB CUDA build; those two (unused here) are removed afterwards.
+.PHONY: speculators-venv
+SPECULATORS_VENV := .venv-speculators
+SPECULATORS_PIN ?= speculators==0.9.0
+SPECULATORS_STAMP := $(SPECULATORS_VENV)/.installed
+
+$(SPECULATORS_STAMP):
+	$(PYTHON) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(SPECULATORS_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" "$(SPECULATORS_PIN)"
+	$(SPECULATORS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(SPECULATORS_VENV)/bin/python -c "import speculators, torch, importlib.metadata as m; print('speculators', m.version('speculators'), 'torch', torch.__version__)"
+	touch $(SPECULATORS_STAMP)
+
+speculators-venv: $(SPECULATORS_STAMP)
+
+test: $(STAMP) speculators-venv
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
 
 test-fast: $(STAMP)

@@ -21,6 +21,7 @@ _COMMANDS: dict[str, str] = {
     "merge": "pipeline.store.cli:merge",
     "train": "pipeline.train_cli:train",
     "eval": "beagle.eval_cli:evaluate",
+    "export": "beagle.export_cli:export",
 }
 
 

@@ -1,0 +1,111 @@
+"""`beagle-pipeline export`: a trained drafter in a serving engine's format (beagle/engine_export.py)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import click
+
+from beagle.devices import DTYPES
+
+SERVE_HINTS = {
+    "eagle3": 'vLLM: speculative_config={{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {k}}}',
+    "eagle3-sglang": "SGLang: --speculative-algorithm EAGLE3 --speculative-draft-model-path {out}",
+    "eagle": 'vLLM: speculative_config={{"method": "eagle", "model": "{out}", "num_speculative_tokens": {k}}}',
+    "native": "beagle-pipeline eval --drafter {out}",
+}
+
+
+def _drafter_folder(run: Path) -> tuple[Path, dict]:
+    """(the drafter folder, the run's run_config.json or {}) for RUN = a run directory or its drafter/."""
+    for folder, run_dir in ((run / "drafter", run), (run, run.parent)):
+        if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+            run_config = run_dir / "run_config.json"
+            return folder, json.loads(run_config.read_text(encoding="utf-8")) if run_config.is_file() else {}
+    raise click.ClickException(f"{run} holds no drafter (config.json + model.safetensors, or drafter/ with them); "
+                               "pass a RUN directory written by `beagle-pipeline train`, or its drafter/ folder")
+
+
+def _target(target_dir: str | None, meta: dict, run_config: dict):
+    """The target's facts and head: from --target, else from the first training store that opens."""
+    from beagle.engine_export import target_from_model_dir, target_from_store
+
+    if target_dir is not None:
+        target = target_from_model_dir(target_dir)
+        trained_for = (meta.get("target") or {}).get("config_sha256")
+        actual = hashlib.sha256((Path(target_dir) / "config.json").read_bytes()).hexdigest()
+        if trained_for and trained_for != actual:
+            click.echo(f"warning: the drafter was trained on a target whose config.json differs from "
+                       f"{target_dir}/config.json (sha256 {trained_for[:12]} vs {actual[:12]})", err=True)
+        return target
+    stores = list(meta.get("stores") or run_config.get("stores") or [])
+    problems = []
+    for url in stores:
+        try:
+            return target_from_store(url)
+        except Exception as error:  # a moved or remote store: say why, try the next one
+            problems.append(f"{url}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+    reason = "; ".join(problems) if problems else "the drafter's config.json lists no training store"
+    raise click.ClickException(f"no --target given and no training store opens ({reason}); pass --target "
+                               "TARGET_DIR, the target model folder")
+
+
+@click.command("export")
+@click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--format", "fmt", default="eagle3", show_default=True,
+              type=click.Choice(["eagle3", "eagle3-sglang", "eagle", "native"]),
+              help="eagle3: speculators layout (vLLM, speculators); eagle3-sglang: SGLang/SpecForge layout; "
+                   "eagle: vLLM's EAGLE layout for the EAGLE-2 baseline; native: this project's own folder.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="The folder to write (built aside and renamed into place).")
+@click.option("--target", "target_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="The target model folder: its embedding and LM head are read from it, and it is recorded as "
+                   "the verifier path. Default: the head and facts of the drafter's training store (then no "
+                   "verifier path is recorded: speculators' loader needs one, vLLM and SGLang do not).")
+@click.option("--speculative-tokens", default=3, show_default=True, type=click.IntRange(min=1),
+              help="EAGLE-3: the draft length written into the proposal method (an engine may override it).")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
+              help="Dtype of the exported weights (d2t/t2d stay int64/bool).")
+@click.option("--embed-tokens/--no-embed-tokens", default=True, show_default=True,
+              help="Write the target's embedding into the export. vLLM and SGLang share the target's own "
+                   "without it (saving V x d values); speculators 0.9.0 needs it (it leaves a missing one "
+                   "uninitialised).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+def export(run, fmt, out_dir, target_dir, speculative_tokens, dtype, embed_tokens, force) -> None:
+    """Write the drafter of RUN (a run directory or its drafter/ folder) in a serving engine's format.
+
+    \b
+    eagle3         the engine-form Beagle (train --residual state) as one EAGLE-3 layer: config.json with
+                   speculators_config, model.safetensors with layers.0.*, fc, norm, lm_head (+ d2t/t2d for a
+                   reduced draft vocabulary). vLLM: method "eagle3".
+    eagle3-sglang  the same weights as midlayer.* with a flat LlamaForCausalLMEagle3 config (SGLang ids).
+    eagle          the EAGLE-2 baseline (train --drafter eagle2) for vLLM's method "eagle".
+    native         a copy of the drafter folder, for `beagle-pipeline eval`.
+
+    Anything the engine would compute differently is refused with the reason: an embedding-residual Beagle
+    (retrain with --residual state), an EAGLE-2 fc bias or draft vocabulary vLLM's EAGLE cannot hold, a key
+    layer the engine cannot read. See docs/engine-export.md.
+    """
+    from beagle.devices import torch_dtype
+    from beagle.engine_export import export_eagle, export_eagle3, export_native
+
+    drafter_dir, run_config = _drafter_folder(run)
+    meta = json.loads((drafter_dir / "config.json").read_text(encoding="utf-8"))
+    try:
+        if fmt == "native":
+            written = export_native(drafter_dir, out_dir, replace=force)
+        else:
+            target = _target(target_dir, meta, run_config)
+            if fmt == "eagle":
+                written = export_eagle(drafter_dir, target, out_dir, embed_tokens=embed_tokens,
+                                       dtype=torch_dtype(dtype), replace=force)
+            else:
+                written = export_eagle3(drafter_dir, target, out_dir,
+                                        layout="speculators" if fmt == "eagle3" else "sglang",
+                                        embed_tokens=embed_tokens, speculative_tokens=speculative_tokens,
+                                        dtype=torch_dtype(dtype), replace=force)
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error).splitlines()[0]) from None
+    click.echo(f"exported {meta.get('drafter_type', 'beagle')} drafter {drafter_dir} as {fmt} to {written}")
+    click.echo("  serve with " + SERVE_HINTS[fmt].format(out=written, k=speculative_tokens))
