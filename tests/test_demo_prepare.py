@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -346,12 +347,24 @@ def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, nat
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text("")
     steps = run.plan(run.SIZES[size], cache, out, progress=False, native_bf16=native_bf16)
+    run.write_first_turns(cache.questions_path, out, run.SIZES[size].serve_prompts)  # as main() does after prepare
     assert [name for name, _ in steps] == ["prepare", "regenerate", "extract", "train", "eval",
-                                           *(["eval-bfloat16"] if native_bf16 else [])]
-    evals = [arguments for name, arguments in steps if name.startswith("eval")]
+                                           *(["eval-bfloat16"] if native_bf16 else []), "export", "eval-engine",
+                                           "serve"]
+    evals = [arguments for name, arguments in steps if name.startswith("eval") and name != "eval-engine"]
     assert [a[a.index("--dtype") + 1] for a in evals] == ["float32", "bfloat16"][:len(evals)]
     assert len({tuple(a[:a.index("--max-new-tokens") + 2]) for a in evals}) == 1  # same drafter and prompts
+    engine, serve = dict(steps)["eval-engine"], dict(steps)["serve"]
+    assert engine[engine.index("--prompts") + 1] == serve[serve.index("--prompts") + 1]   # the same first turns
+    assert engine[engine.index("--depth") + 1] == serve[serve.index("--num-speculative-tokens") + 1]
+    assert "--min-confidence" not in engine                          # vLLM's chain is not gated either
+    from bench.serve import parse_args
+
+    parse_args(serve[1:])                                            # the engine check's flags parse
+    assert run.program_for("serve", ["beagle-pipeline"])[0] == sys.executable
     for name, arguments in steps:
+        if name == "serve":
+            continue
         command = main.get_command(click.Context(main), arguments[0])
         assert command is not None, f"no subcommand {arguments[0]}"
         command.make_context(arguments[0], list(arguments[1:]))  # parses and checks, does not run
@@ -384,6 +397,16 @@ def test_final_table_shows_every_measure(tmp_path: Path) -> None:
                      "1.09x (4 of 10 answers identical to plain bfloat16 decoding"]:
         assert expected in table, expected
     assert run._mean_accuracy([{"accuracy": [0.5, None]}, {"accuracy": [0.25, 0.5]}]) == [0.375, 0.5]
+    engine = {"vllm_version": "0.32.0", "draft_tokens": 3, "prompts": 5, "our_tau": 1.5, "dtypes": {
+        "float32": {"identical": 5, "total": 5, "acceptance_length": 1.47, "plain_tokens_per_second": 23.0,
+                    "spec_tokens_per_second": 25.3, "tokens_per_second_ratio": 1.1,
+                    "acceptance_length_over_our_tau": 0.98},
+        "bfloat16": {"error": "spec: exit 1"}}}
+    table = run.format_table({**summary, "engine": engine})
+    for expected in ["the EAGLE-3 export, served by vLLM 0.32.0 (CPU build), 5 first turns",
+                     "acceptance length 1.47 (chain of 3, 0.98x our eval's τ 1.50)", "= 1.10x",
+                     "5 of 5 answers identical to vLLM's plain decoding", "vLLM bfloat16  FAILED: spec: exit 1"]:
+        assert expected in table, expected
 
 
 def test_the_default_size_follows_the_hardware_and_a_run_of_another_size_starts_afresh(tmp_path: Path,
@@ -393,7 +416,7 @@ def test_the_default_size_follows_the_hardware_and_a_run_of_another_size_starts_
     for native, expected in ((True, "default-bf16"), (False, "default")):
         monkeypatch.setattr(run, "hardware_runs_bf16", lambda native=native: native)
         assert run.default_size_name() == expected
-    assert run.SIZES["default-bf16"].prompts == 2 * run.SIZES["default"].prompts
+    assert run.SIZES["default-bf16"].prompts > run.SIZES["default"].prompts
     out = tmp_path / "demo"
     out.mkdir()
     (out / "answers.jsonl").write_text("{}\n")

@@ -1,4 +1,5 @@
-"""The whole demo in one command: prepare -> regenerate -> extract -> train -> eval, timed, with one table.
+"""The whole demo in one command: prepare -> regenerate -> extract -> train -> eval -> export -> serve, timed, with
+one table.
 
     python -m pipeline.demo.run            # the default size: within 30 minutes on 2 CPU cores
     python -m pipeline.demo.run --smoke    # the same path at toy scale, a few minutes
@@ -8,7 +9,12 @@ Each step is the real `beagle-pipeline` subcommand run as a subprocess, exactly 
 Outputs go to `runs/demo[-smoke]/`: `answers.jsonl` (the target's own answers to ShareGPT prompts: the
 drafter is trained on what it will be asked to predict), `store/`, `train/` (with `curves.png` and
 `drafter/`), `eval.json` (float32: outputs must equal plain decoding), `eval-bfloat16.json` (speed in bf16,
-where the hardware runs it natively), `acceptance.png` and `summary.json` (the final table as data).
+where the hardware runs it natively), `engine-drafter/` (the drafter exported to EAGLE-3, the layout vLLM and
+SGLang load), `eval-engine.json` and `serve.json` (our `eval` and vLLM on the same first turns with the same
+chain of 3: vLLM's acceptance length next to our τ, its speculative ÷ plain speed, fp32 and bf16),
+`acceptance.png` and `summary.json` (the final table as data). The drafter is the engine form of Beagle
+(`train --residual state`, docs/method.md §9), keyed on the residual stream entering the target's last layer
+(`extract --layers -2,-1`).
 """
 from __future__ import annotations
 
@@ -55,6 +61,11 @@ class DemoSize:
     speed_dtype: str | None = "bfloat16"
     speed_draft: tuple[str, ...] = ("--tree", "--depth", "5", "--top-k", "4", "--total-tokens", "16",
                                     "--min-confidence", "0.03")
+    # The engine check: the exported drafter in vLLM against our eval, a chain of this many draft tokens on
+    # the first turns of the first `serve_prompts` questions (docs/serving.md); serve=False skips it.
+    serve: bool = True
+    serve_prompts: int = 5
+    serve_draft_tokens: int = 3
 
 
 # Measured from a fresh clone on 2 shared CPU cores (docs/quickstart.md): regeneration ~160 generated tokens/s
@@ -72,13 +83,14 @@ SIZES = {
                         draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
     # Where the CPU multiplies bf16 natively, regeneration and training run about twice as fast, so the same
     # 30 minutes hold twice the target's answers, and more of them is what raises τ (the scaling study,
-    # docs/benchmarks.md): 1,120 prompts, ~200k tokens, the same epochs (~660 steps).
-    "default-bf16": DemoSize("default-bf16", prompts=1120, max_new_tokens_answer=192, max_prompt_length=256,
+    # docs/benchmarks.md): 1,120 prompts gave ~200k tokens and ~660 steps; since the demo also exports the drafter
+    # and runs it in vLLM (~6 minutes), it answers 800 prompts.
+    "default-bf16": DemoSize("default-bf16", prompts=800, max_new_tokens_answer=192, max_prompt_length=256,
                              max_length=1024, stage1_epochs=8, stage2_epochs=4, train_batch_tokens=4096,
                              draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
     "smoke": DemoSize("smoke", prompts=16, max_new_tokens_answer=24, max_prompt_length=256, max_length=256,
                       stage1_epochs=1, stage2_epochs=1, train_batch_tokens=1024, draft_vocab=8192, lr=1e-3,
-                      warmup_steps=2, eval_prompts=1, max_new_tokens=24),
+                      warmup_steps=2, eval_prompts=1, max_new_tokens=24, serve_prompts=1),
 }
 
 
@@ -102,11 +114,16 @@ def cli_command() -> list[str]:
     return [sys.executable, "-c", "from pipeline.cli import main; main(prog_name='beagle-pipeline')"]
 
 
+ENGINE_KEYS = ["--layers", "-2,-1"]     # the residual stream entering the last decoder layer, and the final state
+FIRST_TURNS = "first-turns.jsonl"     # the prompts the engine check runs, ours and vLLM's alike
+
+
 def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
          native_bf16: bool | None = None) -> list[tuple[str, list[str]]]:
     """The command lines of the demo, in order (arguments only, without the program): prepare, regenerate,
-    extract, train, eval, and a second eval in `size.speed_dtype` where the hardware runs it natively
-    (`native_bf16`; None: ask this machine)."""
+    extract, train, eval, a second eval in `size.speed_dtype` where the hardware runs it natively
+    (`native_bf16`; None: ask this machine), then, with `size.serve`, export to EAGLE-3, our eval of the engine
+    check's chain and the vLLM check itself (`serve`: a bench script, not a subcommand; see `program_for`)."""
     quiet = [] if progress else ["--no-progress"]
     if native_bf16 is None:
         native_bf16 = hardware_runs_bf16()
@@ -114,6 +131,18 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
                                              "--dtype", size.speed_dtype,
                                              "--json", str(out / f"eval-{size.speed_dtype}.json"), *quiet])]
              if size.speed_dtype and native_bf16 else [])
+    engine = [
+        ("export", ["export", str(out / "train"), "--format", "eagle3", "--target", str(cache.model_dir),
+                    "--out", str(out / "engine-drafter")]),
+        ("eval-engine", ["eval", "--model", str(cache.model_dir), "--drafter", str(out / "train" / "drafter"),
+                         "--prompts", str(out / FIRST_TURNS), "--max-new-tokens", str(size.max_new_tokens),
+                         "--chain", "--depth", str(size.serve_draft_tokens), "--dtype", "float32",
+                         "--json", str(out / "eval-engine.json"), *quiet]),
+        ("serve", [str(SERVE_SCRIPT), "--drafter", str(out / "engine-drafter"), "--target", str(cache.model_dir),
+                   "--prompts", str(out / FIRST_TURNS), "--max-new-tokens", str(size.max_new_tokens),
+                   "--num-speculative-tokens", str(size.serve_draft_tokens), "--ours-json",
+                   str(out / "eval-engine.json"), "--out", str(out / "serve.json")]),
+    ] if size.serve else []
     return [
         ("prepare", ["prepare-demo", "--cache-dir", str(cache.root), *quiet]),
         ("regenerate", ["regenerate", "--model", str(cache.model_dir), "--data", str(cache.sharegpt_path),
@@ -122,8 +151,8 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
                         "--max-prompt-length", str(size.max_prompt_length), "--dtype", "bfloat16", *quiet]),
         ("extract", ["extract", "--model", str(cache.model_dir), "--data", str(out / "answers.jsonl"),
                      "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", "bfloat16",
-                     *quiet]),
-        ("train", ["train", "--store", str(out / "store"), "--out", str(out / "train"),
+                     *ENGINE_KEYS, *quiet]),
+        ("train", ["train", "--store", str(out / "store"), "--out", str(out / "train"), "--residual", "state",
                    "--stage1-epochs", str(size.stage1_epochs), "--stage2-epochs", str(size.stage2_epochs),
                    "--batch-tokens", str(size.train_batch_tokens), "--max-length", str(size.max_length),
                    "--draft-vocab", str(size.draft_vocab),
@@ -132,7 +161,30 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
         ("eval", [*_eval_arguments(size, cache, out), *size.eval_draft, "--dtype", size.eval_dtype,
                   "--json", str(out / "eval.json"), "--plot", str(out / "acceptance.png"), *quiet]),
         *speed,
+        *engine,
     ]
+
+
+SERVE_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
+
+
+def program_for(name: str, cli: list[str]) -> list[str]:
+    """The program a step runs: `beagle-pipeline` (`cli`), or, for the engine check, this interpreter running
+    bench/serve.py, which itself runs vLLM in its own venv (`make serve-venv`)."""
+    return [sys.executable] if name == "serve" else cli
+
+
+def write_first_turns(questions: Path, out: Path, limit: int) -> Path:
+    """The first turn of each of the first `limit` questions, as MT-Bench records: what vLLM and our eval both
+    answer in the engine check (vLLM answers one turn per prompt)."""
+    records = []
+    for line in questions.read_text(encoding="utf-8").splitlines():
+        if line.strip() and len(records) < limit:
+            record = json.loads(line)
+            records.append({**record, "turns": record["turns"][:1]})
+    path = out / FIRST_TURNS
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
 
 
 def _eval_arguments(size: DemoSize, cache: DemoCache, out: Path) -> list[str]:
@@ -156,7 +208,8 @@ DATA_FIELDS = ("prompts", "max_new_tokens_answer", "max_prompt_length", "max_len
 
 
 def _size_record(size: DemoSize) -> str:
-    return json.dumps({name: getattr(size, name) for name in DATA_FIELDS}, sort_keys=True) + "\n"
+    record = {name: getattr(size, name) for name in DATA_FIELDS}
+    return json.dumps({**record, "layers": ENGINE_KEYS[1]}, sort_keys=True) + "\n"
 
 
 def _forget_other_sizes(out: Path, size: DemoSize) -> None:
@@ -173,24 +226,26 @@ def _forget_other_sizes(out: Path, size: DemoSize) -> None:
 
 
 def default_size_name() -> str:
-    """The demo's size on this machine: twice the data where the hardware multiplies bf16 natively."""
+    """The demo's size on this machine: more data where the hardware multiplies bf16 natively."""
     return "default-bf16" if hardware_runs_bf16() else "default"
 
 
 def run_steps(steps: list[tuple[str, list[str]]], program: list[str]) -> list[StepResult]:
     """Run each step as a subprocess with the terminal attached; stop at the first failure.
 
-    `eval` exits 1 when speculative and plain outputs differ; it still writes its JSON, so that step's
-    failure is recorded and the table is printed before the demo exits with its status.
+    `eval` exits 1 when speculative and plain outputs differ, and the engine check when a vLLM run fails; each
+    still writes its JSON, so that step's failure is recorded and the table is printed before the demo exits
+    with its status.
     """
     results = []
     for name, arguments in steps:
-        command = [*program, *arguments]
-        print(f"\n==> {name}: beagle-pipeline {shlex.join(arguments)}", flush=True)
+        command = [*program_for(name, program), *arguments]
+        label = "python" if name == "serve" else "beagle-pipeline"
+        print(f"\n==> {name}: {label} {shlex.join(arguments)}", flush=True)
         started = time.perf_counter()
         returncode = subprocess.call(command)
         results.append(StepResult(name, command, time.perf_counter() - started, returncode))
-        if returncode != 0 and not name.startswith("eval"):
+        if returncode != 0 and not name.startswith("eval") and name != "serve":
             raise DemoError(f"step {name} failed with exit status {returncode}: {shlex.join(command)}")
     return results
 
@@ -228,7 +283,23 @@ def summarize(size: DemoSize, out: Path, results: list[StepResult]) -> dict:
             "tokens_per_second": speed.get("tokens_per_second"), "speedup": speed.get("speedup"),
             "answers_compared": speed.get("answers_compared"), "answers_differing": len(speed.get("mismatches", []))},
         "plots": [str(p) for p in (out / "train" / "curves.png", out / "acceptance.png") if p.is_file()],
+        "engine": _engine_summary(out),
     }
+
+
+def _engine_summary(out: Path) -> dict | None:
+    """vLLM's figures next to our eval's on the same first turns and chain (None when the check did not run)."""
+    path = out / "serve.json"
+    if not path.is_file():
+        return None
+    serve = json.loads(path.read_text(encoding="utf-8"))
+    ours = serve.get("ours") or {}
+    rows = {dtype: {key: row.get(key) for key in ("identical", "total", "acceptance_length", "per_position_acceptance",
+                                                  "plain_tokens_per_second", "spec_tokens_per_second",
+                                                  "tokens_per_second_ratio", "acceptance_length_over_our_tau", "error")}
+            for dtype, row in serve.get("dtypes", {}).items()}
+    return {"vllm_version": serve.get("vllm_version"), "draft_tokens": serve.get("num_speculative_tokens"),
+            "prompts": serve.get("limit"), "our_tau": ours.get("tau"), "dtypes": rows}
 
 
 def _mean_accuracy(steps: list[dict]) -> list[float | None]:
@@ -266,6 +337,7 @@ def format_table(summary: dict) -> str:
         ("tokens/s", f"plain {rates.get('baseline', 0):.1f}, speculative {rates.get('speculative', 0):.1f}"),
         ("speedup", "-" if speedup is None else f"{speedup:.2f}x ({match})"),
         *_speed_rows(summary.get("speed_eval")),
+        *_engine_rows(summary.get("engine")),
         ("plots", ", ".join(summary["plots"]) or "-"),
     ]
     width = max(len(label) for label, _ in rows)
@@ -289,6 +361,26 @@ def _speed_rows(speed: dict | None) -> list[tuple[str, str]]:
             (f"speedup {speed['dtype']}", f"{speed['speedup']:.2f}x ({compared - differing} of {compared} answers "
                                           f"identical to plain {speed['dtype']} decoding; half precision rounds "
                                           "one-token and many-token passes differently)")]
+
+
+def _engine_rows(engine: dict | None) -> list[tuple[str, str]]:
+    """The table's rows for the vLLM check of the exported drafter (none if it did not run)."""
+    if not engine:
+        return []
+    rows = []
+    for dtype, row in engine["dtypes"].items():
+        if row.get("error"):
+            rows.append((f"vLLM {dtype}", f"FAILED: {row['error']}"))
+            continue
+        over = row.get("acceptance_length_over_our_tau")
+        ours = "" if over is None else f", {over:.2f}x our eval's τ {engine['our_tau']:.2f}"
+        identical = f"{row['identical']} of {row['total']} answers identical to vLLM's plain decoding"
+        rows.append((f"vLLM {dtype}", f"acceptance length {row['acceptance_length']:.2f} (chain of "
+                                      f"{engine['draft_tokens']}{ours}); plain {row['plain_tokens_per_second']:.1f}, "
+                                      f"speculative {row['spec_tokens_per_second']:.1f} tokens/s = "
+                                      f"{row['tokens_per_second_ratio']:.2f}x; {identical}"))
+    return [("in vLLM", f"the EAGLE-3 export, served by vLLM {engine.get('vllm_version') or ''} (CPU build), "
+                        f"{engine['prompts']} first turns"), *rows]
 
 
 def _duration(seconds: float) -> str:
@@ -315,13 +407,17 @@ def main(argv: list[str] | None = None) -> int:
     _forget_other_sizes(out, size)
     # The store is kept (extract resumes or finds it complete); the drafter and eval are redone.
     for stale in (out / "train", out / "eval.json", out / f"eval-{size.speed_dtype}.json", out / "acceptance.png",
-                  out / "summary.json"):
+                  out / "summary.json", out / "engine-drafter", out / "eval-engine.json", out / "serve.json"):
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / SIZE_MARKER).write_text(_size_record(size), encoding="utf-8")
 
+    steps = plan(size, cache, out, progress=not args.no_progress)
     try:
-        results = run_steps(plan(size, cache, out, progress=not args.no_progress), cli_command())
+        results = run_steps(steps[:1], cli_command())      # prepare: the cache holds the questions afterwards
+        if size.serve:
+            write_first_turns(cache.questions_path, out, size.serve_prompts)
+        results += run_steps(steps[1:], cli_command())
     except DemoError as error:
         print(f"\ndemo stopped: {error}", file=sys.stderr)
         return 1
