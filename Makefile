@@ -55,7 +55,7 @@ $(SPECULATORS_STAMP):
 
 speculators-venv: $(SPECULATORS_STAMP)
 
-test: $(STAMP) speculators-venv
+test: $(STAMP) speculators-venv $(VLLM_STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
 
 test-fast: $(STAMP)
