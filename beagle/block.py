@@ -101,9 +101,14 @@ def project_kv(module: nn.Module, states: Tensor, positions: Tensor) -> tuple[Te
 
 def project_queries(module: nn.Module, x: Tensor, positions: Tensor) -> Tensor:
     """Query inputs [B, Lq, d] at RoPE positions [B, Lq] -> q [B, H, Lq, hd]."""
-    B, Lq, _ = x.shape
+    return rotate_queries(module, module.q_proj(x), positions)
+
+
+def rotate_queries(module: nn.Module, q: Tensor, positions: Tensor) -> Tensor:
+    """Projected queries [B, Lq, H * hd] at RoPE positions [B, Lq] -> q [B, H, Lq, hd]."""
+    B, Lq, _ = q.shape
     c = module.config
-    q = module.q_proj(x).view(B, Lq, c.num_attention_heads, c.head_dim)
+    q = q.view(B, Lq, c.num_attention_heads, c.head_dim)
     return rotary(q.transpose(1, 2), positions, c.rope_theta)
 
 

@@ -195,11 +195,13 @@ def eagle3_tensors(model: nn.Module, vocab: list[int] | None, *, embed_tokens: b
                    dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """The speculators-layout tensors of an engine-form Beagle (names of EAGLE3_NAMES, plus lm_head, d2t/t2d
     for a reduced vocabulary, embed_tokens when asked)."""
-    _check_covered(model, EAGLE3_NAMES)
+    _check_covered(model, EAGLE3_NAMES, skipped={"q_state_proj.weight"})
     state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    q_state = state.pop("q_state_proj.weight", None)                                    # --query-state
     out = {EAGLE3_NAMES[k]: v for k, v in state.items()}
     q, k, v = state["q_proj.weight"], state["k_proj.weight"], state["v_proj.weight"]   # [H*hd, d], [Hkv*hd, d]
-    out["layers.0.self_attn.q_proj.weight"] = torch.cat([q, torch.zeros_like(q)], dim=1)   # reads emb only
+    q_right = torch.zeros_like(q) if q_state is None else q_state                      # the state half of q
+    out["layers.0.self_attn.q_proj.weight"] = torch.cat([q, q_right], dim=1)   # reads emb (and the state)
     out["layers.0.self_attn.k_proj.weight"] = torch.cat([torch.zeros_like(k), k], dim=1)   # reads state only
     out["layers.0.self_attn.v_proj.weight"] = torch.cat([torch.zeros_like(v), v], dim=1)
     head = model.lm_head.detach().to("cpu", torch.float32)                                  # [V, d]

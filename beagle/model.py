@@ -45,12 +45,16 @@ class DrafterConfig:
     # What the block's residual stream starts from: the query token's embedding (Beagle as in the paper) or
     # the previous position's state (the engine form, a special case of an EAGLE-3 layer).
     residual: str = "embedding"
+    # State residual only: the queries also read the previous state (EAGLE-3's q over [emb; state] in full)
+    query_state: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key_layers", tuple(int(layer) for layer in self.key_layers))
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual={self.residual!r} must be one of {list(RESIDUALS)}")
         distinct = bool(self.key_layers) and len(set(self.key_layers)) == len(self.key_layers)
+        if self.query_state and self.residual != "state":
+            raise ValueError("query_state (queries that also read the previous state) needs residual='state'")
         if self.residual == "state":
             if not distinct or min(self.key_layers) < 0 or list(self.key_layers) != sorted(self.key_layers):
                 raise ValueError(f"key_layers={list(self.key_layers)}: a state-residual drafter reads the residual "

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from beagle.block import RMSNorm, add_block_layers, attend_and_mix, project_kv, project_queries
+from beagle.block import RMSNorm, add_block_layers, attend_and_mix, project_kv, rotate_queries
 from beagle.model import DrafterConfig, LayerFusion, register_frozen_head
 
 DRAFTER_TYPE = "beagle-state"
@@ -43,6 +43,9 @@ class StateBeagleDrafter(nn.Module):
         add_block_layers(self, c)                                      # q/k/v/o, post_attention_norm, mlp
         self.output_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)      # before the LM head: EAGLE-3's norm
         self.layer_fusion = LayerFusion(c)                             # aux layers -> s: EAGLE-3's fc
+        # --query-state: queries also read RMSNorm_kv(s_{i-1}), the state half of EAGLE-3's q_proj
+        self.q_state_proj = (nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+                             if c.query_state else None)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -73,8 +76,12 @@ class StateBeagleDrafter(nn.Module):
         if residual is None:
             raise ValueError("the state-residual Beagle needs the previous position's state as its residual")
         x = F.embedding(input_ids, self.embed_tokens).to(self.q_proj.weight.dtype)   # [B, Lq, d]
-        q = project_queries(self, self.input_norm(x), positions - 1)        # [B, H, Lq, hd]
-        return attend_and_mix(self, q, k, v, attn_mask, residual.to(x.dtype))
+        residual = residual.to(x.dtype)
+        q = self.q_proj(self.input_norm(x))                                 # [B, Lq, H * hd]
+        if self.q_state_proj is not None:
+            q = q + self.q_state_proj(self.kv_norm(residual))
+        q = rotate_queries(self, q, positions - 1)                          # [B, H, Lq, hd]
+        return attend_and_mix(self, q, k, v, attn_mask, residual)
 
     def head_input(self, hidden: Tensor) -> Tensor:
         """What the LM head reads of an output o: RMSNorm_out(o), the estimate of the target's post-norm h."""

@@ -71,6 +71,9 @@ def _layer_list(value: str | None) -> tuple[int, ...] | None:
               help="With --residual state: the captured layers (HF hidden_states indices 0..n-1, the residual "
                    "stream entering decoder layer i) whose states make the keys, e.g. 2,15,27. [every captured "
                    "layer but -1]")
+@click.option("--query-state/--no-query-state", default=None,
+              help="With --residual state: the queries also read the previous state (EAGLE-3's q over [embedding; "
+                   "state]; still one EAGLE-3 layer), not the embedding alone. [no]")
 @click.option("--detach-feedback/--no-detach-feedback", default=None,
               help="Cut gradients through fed-back predicted states in stage 2. [no]")
 @click.option("--vocab-chunk", type=int,

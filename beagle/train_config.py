@@ -33,6 +33,7 @@ class TrainConfig:
     fuse_layers: bool = False             # keys from a fusion of every layer the stores captured (EAGLE-3 style)
     residual: str = "embedding"           # embedding | state: the Beagle residual stream (docs/method.md §9)
     key_layers: tuple[int, ...] | None = None  # residual state: which captured layers (0..n-1) make keys; None: all
+    query_state: bool = False             # residual state: queries also read the previous state (EAGLE-3's full q)
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length), the global batch under DDP
     rank_batch_tokens: int | None = None  # instead: tokens per data-parallel rank; global = this x world size
@@ -61,6 +62,8 @@ class TrainConfig:
             (self.key_layers is None or self.residual == "state",
              "key_layers chooses the keys of a state-residual drafter (residual='state'); the embedding form "
              "takes -1, or every captured layer with fuse_layers"),
+            (not self.query_state or self.residual == "state",
+             "query_state (queries that also read the previous state) needs residual='state'"),
             (not (self.fuse_layers and self.residual == "state"),
              "fuse_layers is implied by residual='state' (it always fuses its key layers); drop it"),
             (self.window_size >= 1, "window_size must be >= 1"),

@@ -179,7 +179,7 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
     """The drafter on `device` with the target's frozen head, seeded; its loss head is restricted to
     the draft vocabulary when one is asked for, and kept once in the training dtype."""
     drafter_config = replace(DrafterConfig.from_architecture(data.target["architecture"]), key_layers=data.key_layers,
-                             residual=config.residual)
+                             residual=config.residual, query_state=config.query_state)
     if data.hidden_size != drafter_config.hidden_size:
         raise ValueError(f"store hidden_size {data.hidden_size} != target architecture hidden_size "
                          f"{drafter_config.hidden_size} in {data.urls[0]}")

@@ -7,6 +7,7 @@ of `--steps`, through the real CLI and from the same store:
     beagle-last          Beagle, embedding residual, keys from layer -1 (after the final norm)
     beagle-state-last    Beagle, state residual (`--residual state`), keys from the last decoder layer's input
                          (the last-layer equivalent an engine can hand over)
+    beagle-state-query-last  the same with queries that also read the previous state (`--query-state`)
     eagle2-last          the EAGLE-2 baseline on layer -1
     beagle-fused, beagle-state-fused, eagle2-fused: the same, keys from every captured layer
 
@@ -34,7 +35,7 @@ from bench.layers import _extract, _split_conversations, score  # noqa: E402
 from bench.quality import train  # noqa: E402
 from beagle.data import StoreSet, plan_epoch  # noqa: E402
 
-LAST_ONLY = ("beagle-last", "beagle-state-last", "eagle2-last")
+LAST_ONLY = ("beagle-last", "beagle-state-last", "beagle-state-query-last", "eagle2-last")
 
 
 def _drafters(layers: list[int]) -> dict[str, tuple[str, list[str]]]:
@@ -43,6 +44,7 @@ def _drafters(layers: list[int]) -> dict[str, tuple[str, list[str]]]:
     return {
         "beagle-last": ("beagle", ["--no-fuse-layers"]),
         "beagle-state-last": ("beagle", ["--residual", "state", "--key-layers", str(max(aux))]),
+        "beagle-state-query-last": ("beagle", ["--residual", "state", "--query-state", "--key-layers", str(max(aux))]),
         "eagle2-last": ("eagle2", ["--no-fuse-layers"]),
         "beagle-fused": ("beagle", ["--fuse-layers"]),
         "beagle-state-fused": ("beagle", ["--residual", "state", "--key-layers", ",".join(map(str, aux))]),

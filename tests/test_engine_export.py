@@ -69,9 +69,10 @@ def _randomize(model: torch.nn.Module, seed: int, keep_zero: tuple[str, ...] = (
     return model.eval()
 
 
-def _state_drafter(target: EngineTarget, key_layers=KEY_LAYERS, seed: int = 1) -> StateBeagleDrafter:
-    model = StateBeagleDrafter(_config(target, key_layers=key_layers, residual="state"), target.embed_tokens,
-                               target.lm_head)
+def _state_drafter(target: EngineTarget, key_layers=KEY_LAYERS, seed: int = 1,
+                   query_state: bool = False) -> StateBeagleDrafter:
+    model = StateBeagleDrafter(_config(target, key_layers=key_layers, residual="state", query_state=query_state),
+                               target.embed_tokens, target.lm_head)
     return _randomize(model, seed)
 
 
@@ -271,16 +272,17 @@ def test_a_missing_speculators_venv_skips_here_and_fails_in_ci(monkeypatch, tmp_
 
 @pytest.mark.slow
 def test_speculators_eagle3_model_drafts_our_logits_over_fed_back_steps(target, tmp_path, capsys):
-    """Two exports (a reduced draft vocabulary, and the full vocabulary without d2t/t2d) loaded by speculators'
-    Eagle3DraftModel in its own venv; its TTT forward (true states, then 3 steps feeding its own outputs back)
-    gives our logits. Both carry the embedding and name the verifier: speculators' loader reads the verifier's
+    """Two exports (a reduced draft vocabulary, and the full vocabulary without d2t/t2d of a drafter whose queries
+    also read the state, `--query-state`) loaded by speculators' Eagle3DraftModel in its own venv; its TTT forward
+    (true states, then 3 steps feeding its own outputs back) gives our logits. Both carry the embedding and name the verifier: speculators' loader reads the verifier's
     config.json even when the folder holds everything, and leaves a missing embedding uninitialised."""
     python = _speculators_venv()
     model = _state_drafter(target)
     vocab = sorted(set(_draft_vocab(target)) | {2})
     reduced = ReducedVocabDrafter(model, torch.tensor(vocab))
     export_eagle3(reduced, target, tmp_path / "reduced")
-    export_eagle3(model, target, tmp_path / "full")
+    queries_read_state = _state_drafter(target, seed=2, query_state=True)
+    export_eagle3(queries_read_state, target, tmp_path / "full")
     assert "d2t" not in load_file(tmp_path / "full" / "model.safetensors")
     # A control the comparison must fail: the same folder read with vLLM's default for an absent flag.
     shutil.copytree(tmp_path / "reduced", tmp_path / "normed")
@@ -302,7 +304,7 @@ def test_speculators_eagle3_model_drafts_our_logits_over_fed_back_steps(target, 
     theirs = load_file(tmp_path / "theirs.safetensors")
 
     ours_reduced = _our_ttt_logits(model, reduced.compact_logits, tokens, aux, TTT_STEPS)     # [steps, L, N]
-    ours_full = _our_ttt_logits(model, model.logits, tokens, aux, TTT_STEPS)                  # [steps, L, V]
+    ours_full = _our_ttt_logits(queries_read_state, queries_read_state.logits, tokens, aux, TTT_STEPS)  # [steps, L, V]
     errors = {}
     for name, ours in (("0", ours_reduced), ("1", ours_full)):
         reference = theirs[f"{name}.logits"]

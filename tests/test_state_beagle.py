@@ -23,11 +23,13 @@ from tests.tiny_store import build_tiny_store, tiny_target
 SHAPE = {k: v for k, v in ARCH.items() if k in DrafterConfig.__dataclass_fields__}
 
 
-def _random_state_drafter(key_layers=(1,), std: float = 0.1, seed: int = 0) -> StateBeagleDrafter:
+def _random_state_drafter(key_layers=(1,), std: float = 0.1, seed: int = 0, query_state: bool = False
+                          ) -> StateBeagleDrafter:
     g = torch.Generator().manual_seed(seed)
     embed, head = torch.randn(ARCH["vocab_size"], ARCH["hidden_size"], generator=g), torch.randn(
         ARCH["vocab_size"], ARCH["hidden_size"], generator=g)
-    model = StateBeagleDrafter(DrafterConfig(**SHAPE, key_layers=key_layers, residual="state"), embed, head)
+    model = StateBeagleDrafter(DrafterConfig(**SHAPE, key_layers=key_layers, residual="state", query_state=query_state),
+                               embed, head)
     torch.manual_seed(seed)
     for p in model.parameters():
         torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=std)
@@ -54,7 +56,7 @@ def _eagle3_reference(model: StateBeagleDrafter, row_tokens, row_states, aux: bo
     c, eps = model.config, model.config.rms_norm_eps
     d, H, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     zq, zk = torch.zeros(H * hd, d), torch.zeros(Hkv * hd, d)
-    wq = torch.cat([model.q_proj.weight, zq], 1)
+    wq = torch.cat([model.q_proj.weight, zq if model.q_state_proj is None else model.q_state_proj.weight], 1)
     wk, wv = torch.cat([zk, model.k_proj.weight], 1), torch.cat([zk, model.v_proj.weight], 1)
     h = row_states @ model.layer_fusion.proj.weight.T if aux else row_states   # [R, d]
     emb = model.embed_tokens[row_tokens]
@@ -70,10 +72,12 @@ def _eagle3_reference(model: StateBeagleDrafter, row_tokens, row_states, aux: bo
     return out, _rms(out, model.output_norm.weight, eps) @ model.lm_head.T     # pre-norm output, logits
 
 
-def test_the_state_form_is_one_eagle3_layer_with_zero_blocks_over_fed_back_steps():
+@pytest.mark.parametrize("query_state", [False, True])
+def test_the_state_form_is_one_eagle3_layer_with_zero_blocks_over_fed_back_steps(query_state):
     """A prompt's true states, then three draft steps feeding each output back as the next row's state, as an
-    EAGLE-3 engine drafts: our backend's logits equal the EAGLE-3 layer's (written out above) at every step."""
-    model = _random_state_drafter(key_layers=(0, 1))
+    EAGLE-3 engine drafts: our backend's logits equal the EAGLE-3 layer's (written out above) at every step.
+    With `query_state` the queries also read the state (q's state block is no longer zero)."""
+    model = _random_state_drafter(key_layers=(0, 1), query_state=query_state)
     n, d = 6, ARCH["hidden_size"]
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, ARCH["vocab_size"], (n + 4,), generator=g)
