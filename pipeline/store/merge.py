@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.store import files
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError
 from pipeline.store.reader import FeatureStore, open_store
@@ -129,6 +130,6 @@ def _gather_rejects(stores: list[FeatureStore]) -> tuple[list[dict], Counter]:
     for store in stores:
         if fmt.REJECTS not in store.manifest["files"]:
             continue
-        with store.fs.open(fmt.join(store.root, fmt.REJECTS), "rb") as handle:
-            rejects.extend(json.loads(line) for line in handle.read().decode("utf-8").splitlines() if line)
+        payload = files.read_bounded(store.fs, store.root, fmt.REJECTS, store.manifest["files"][fmt.REJECTS]["bytes"])
+        rejects.extend(json.loads(line) for line in payload.decode("utf-8").splitlines() if line)
     return rejects, Counter(str(r.get("reason", "unknown")) for r in rejects)

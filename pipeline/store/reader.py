@@ -22,6 +22,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
+from pipeline.store import files
 from pipeline.store import format as fmt
 from pipeline.store import fp8
 from pipeline.store import integrity
@@ -58,12 +59,25 @@ class _Shard:
                     integrity.raise_first([problem], self._store.url)
                     self._verified.add(relative)
 
+    def _check_kinds(self, *, table: bool) -> None:
+        """The files about to be read are regular files inside the store (stat only): a FIFO would block
+        the read forever and a device never end it. Done whatever `verify` says."""
+        sample_file = f"{fmt.SHARDS_DIR}/{self.info['name']}/{fmt.SAMPLES_FILE}"
+        for relative in sorted(self.info["files"]):
+            if (relative == sample_file) == table:
+                problem = files.kind_problem(self._store.fs, self._store.root, relative)
+                if problem:
+                    raise StoreFormatError(f"{self._store.url}: {problem}; do not use this store")
+
     @cached_property
     def table(self) -> dict[str, np.ndarray]:
+        self._check_kinds(table=True)
         self._verify(table=True)
         fs = self._store.fs
         path = fmt.join(self.directory, fmt.SAMPLES_FILE)
-        source = pa.memory_map(path) if fmt.is_local(fs) else pa.BufferReader(fs.cat_file(path))
+        relative = f"{fmt.SHARDS_DIR}/{self.info['name']}/{fmt.SAMPLES_FILE}"
+        source = pa.memory_map(path) if fmt.is_local(fs) else pa.BufferReader(
+            files.read_bounded(fs, self._store.root, relative, self.info["files"][relative]["bytes"]))
         table = pa.ipc.open_stream(source).read_all().combine_chunks()
         if table.num_rows != self.info["samples"]:
             raise StoreFormatError(f"{path}: {table.num_rows} samples, manifest says {self.info['samples']}; "
@@ -83,6 +97,7 @@ class _Shard:
     def hidden(self) -> list[Any]:
         """Per layer: a read-only memmap [tokens, d] on local disk, else a zarr array read by chunks."""
         store = self._store
+        self._check_kinds(table=False)
         self._verify(table=False)
         arrays = []
         for layer in store.layers:
@@ -103,6 +118,7 @@ class _Shard:
         """fp8 stores only: per layer, the per-token scales [tokens] float32 (read whole, 4 bytes/token)."""
         import zarr
 
+        self._check_kinds(table=False)
         self._verify(table=False)
         zstore = zarr_store(self._store.fs, self.directory, read_only=True)
         return [np.asarray(zarr.open_array(zstore, path=fmt.scale_array_name(layer), mode="r")[:])
@@ -250,8 +266,7 @@ class FeatureStore:
     def head_bytes(self) -> bytes:
         """The bytes of `head.safetensors` (the frozen `embed_tokens` and `lm_head`, each [V, d]), checked
         against the manifest's sha256 when the store was opened with verify; parse with safetensors."""
-        with self.fs.open(fmt.join(self.root, fmt.HEAD), "rb") as handle:
-            payload = handle.read()
+        payload = files.read_bounded(self.fs, self.root, fmt.HEAD, self.manifest["files"][fmt.HEAD]["bytes"])
         if self.verify != integrity.VERIFY_NONE:
             integrity.raise_first([integrity.bytes_problem(fmt.HEAD, payload, self.manifest["files"][fmt.HEAD])],
                                   self.url)
@@ -273,14 +288,16 @@ def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = No
 def _load_manifest(fs: Any, root: str, url: str) -> dict:
     path = fmt.join(root, fmt.MANIFEST)
     try:
-        with fs.open(path, "rb") as handle:
-            manifest = json.loads(handle.read())  # JSON only: a hostile manifest can describe, not execute
+        payload = files.read_bounded(fs, root, fmt.MANIFEST, files.MANIFEST_MAX_BYTES)
+        manifest = json.loads(payload)  # JSON only: a hostile manifest can describe, not execute
     except FileNotFoundError:
         if fs.exists(fmt.join(root, fmt.PENDING)):
             raise StoreNotFoundError(f"{url} is an unfinished store (no {fmt.MANIFEST}): rerun the same "
                                      "extract command to complete it") from None
         raise StoreNotFoundError(f"{url} is not a feature store: {fmt.MANIFEST} not found; "
                                  "check the path or build one with `beagle-pipeline extract`") from None
+    except StoreFormatError as error:  # a link out of the store, a FIFO, a device, or far too large
+        raise StoreFormatError(f"{url}: {error}; do not use this store") from None
     except (ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
         raise StoreFormatError(f"{path} is not valid JSON ({type(error).__name__}); "
                                "the store is damaged, rebuild it") from None
@@ -340,7 +357,7 @@ def _check_files_present(fs: Any, root: str, manifest: dict, url: str) -> None:
         if relative not in sizes:
             raise StoreNotFoundError(f"{url}: {relative} is missing; the store is incomplete or damaged "
                                      "(run `beagle-pipeline verify`, then rebuild the missing shard)")
-        link = integrity.link_problem(fs, root, relative)
+        link = integrity.link_problem(fs, root, relative)  # a link out of the store, a FIFO, a device
         if link:
             raise StoreFormatError(f"{url}: {link}; do not use this store")
         if sizes[relative] is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.store import files
 from pipeline.store import format as fmt
 from pipeline.store import fp8
 from pipeline.store import integrity
@@ -99,15 +100,19 @@ def _rejects_problems(store: FeatureStore) -> list[str]:
     """The rejected counts of the manifest must be what `rejects.jsonl` holds, reason by reason."""
     counts = store.manifest["counts"]
     recorded = Counter()
-    path = fmt.join(store.root, fmt.REJECTS)
-    if store.fs.exists(path):
-        with store.fs.open(path, "rb") as handle:
-            for number, line in enumerate(handle.read().decode("utf-8", errors="replace").splitlines(), start=1):
+    listed = store.manifest["files"].get(fmt.REJECTS)
+    if listed is not None:  # an unlisted rejects.jsonl is never read (reported as unlisted)
+        try:
+            payload = files.read_bounded(store.fs, store.root, fmt.REJECTS, listed["bytes"])
+        except (OSError, StoreError):  # missing, not a regular file, too long: the checksum pass says which
+            return []
+        if payload:
+            for number, line in enumerate(payload.decode("utf-8", errors="replace").splitlines(), start=1):
                 if not line.strip():
                     continue
                 try:
                     recorded[str(json.loads(line).get("reason", "unknown"))] += 1
-                except (ValueError, AttributeError):
+                except (ValueError, AttributeError, RecursionError):
                     return [f"{fmt.REJECTS} line {number}: not a JSON object"]
     expected = Counter({k: int(v) for k, v in (counts.get("rejected_by_reason") or {}).items() if int(v)})
     problems = []

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.store import atomic
+from pipeline.store import files
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
 from pipeline.store.file_lock import exclusive_lock
@@ -52,7 +53,8 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
     The caller holds `store_lock(url)`.
     """
     fs, root = fmt.open_fs(url)
-    existing = _read_json(fs, fmt.join(root, fmt.MANIFEST)) or _read_json(fs, fmt.join(root, fmt.PENDING))
+    existing = _read_json(fs, fmt.join(root, fmt.MANIFEST), files.MANIFEST_MAX_BYTES) \
+        or _read_json(fs, fmt.join(root, fmt.PENDING))
     other_inputs = existing is not None and existing.get("dataset_id") != dataset_id
     if other_inputs and not overwrite:
         raise StoreConflictError(
@@ -292,16 +294,27 @@ def _check_committed_shard(fs: Any, root: str, shard_dir: str) -> tuple[dict | N
     try:
         info = _read_json(fs, fmt.join(shard_dir, fmt.SHARD_INFO))
     except StoreFormatError:
-        return None, f"its {fmt.SHARD_INFO} is not valid JSON"
+        return None, f"its {fmt.SHARD_INFO} is not valid JSON, or not a regular file"
     if info is None:
         return None, f"it has no {fmt.SHARD_INFO}"
+    if not isinstance(info, dict) or not isinstance(info.get("files"), dict) or not isinstance(info.get("index"), int):
+        return None, f"its {fmt.SHARD_INFO} is not a shard's"
     for relative, meta in sorted(info["files"].items()):
+        try:
+            fmt.safe_relpath(relative, where=fmt.SHARD_INFO)
+            size, sha256 = int(meta["bytes"]), str(meta["sha256"])
+        except (StoreFormatError, KeyError, TypeError, ValueError):
+            return None, f"its {fmt.SHARD_INFO} lists {relative!r} wrongly"
         path = fmt.join(root, relative)
+        problem = files.kind_problem(fs, root, relative)
+        if problem:
+            return info, problem
         if not fs.exists(path):
             return info, f"{relative} is missing"
-        if fs.size(path) != meta["bytes"]:
-            return info, f"{relative} has {fs.size(path)} bytes, {meta['bytes']} recorded"
-        if fmt.sha256_file(fs, path) != meta["sha256"]:
+        if fs.size(path) != size:
+            return info, f"{relative} has {fs.size(path)} bytes, {size} recorded"
+        digest, read = files.sha256_bounded(fs, root, relative, size)
+        if read != size or digest != sha256:
             return info, f"{relative} does not match its recorded sha256"
     return info, None
 
@@ -417,11 +430,16 @@ def _remove_leftovers(fs: Any, root: str) -> None:
             fs.rm(entry, recursive=True)
 
 
-def _read_json(fs: Any, path: str) -> dict | None:
+def _read_json(fs: Any, path: str, limit: int = files.SMALL_JSON_MAX_BYTES) -> Any:
+    """A JSON file the writer reads back (manifest, pending marker, shard.json): a regular file inside the
+    store, at most `limit` bytes (StoreFormatError otherwise); None if it does not exist."""
+    root, relative = path.rsplit("/", 1)
     try:
-        with fs.open(path, "rb") as handle:
-            return json.loads(handle.read())
+        return json.loads(files.read_bounded(fs, root, relative, limit))
     except FileNotFoundError:
         return None
-    except ValueError as error:
-        raise StoreFormatError(f"{path} is not valid JSON ({error}); delete it or rerun with --overwrite") from None
+    except StoreFormatError as error:
+        raise StoreFormatError(f"{path}: {error}; move it away or choose another --out") from None
+    except (ValueError, RecursionError) as error:
+        raise StoreFormatError(f"{path} is not valid JSON ({type(error).__name__}); delete it or rerun with "
+                               "--overwrite") from None

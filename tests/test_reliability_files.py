@@ -1,0 +1,119 @@
+"""A store's files as a hostile sender could make them: links to devices, FIFOs, foreign folders at --out,
+sample tables rewritten with consistent checksums. Every case is real files on disk, read by the real
+readers, `verify`, `info` and `train`; each refusal is one line naming the file."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from beagle.store_tensors import open_store
+from pipeline.cli import main as cli_main
+from pipeline.store import StoreFormatError, verify_store
+from tests.test_store import build, make_samples
+
+TABLE = "shards/shard-00001/samples.arrow"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """A 3-shard bfloat16 store with rejects (4 samples per shard)."""
+    url = tmp_path_factory.mktemp("pristine") / "store"
+    build(str(url), make_samples(10, torch.bfloat16), "bfloat16",
+          rejects=[{"reason": "too_large", "index": 3}, {"reason": "malformed_json", "index": 5}])
+    assert verify_store(str(url)).ok
+    return url
+
+
+def _copy(pristine: Path, tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(pristine, store)
+    return store
+
+
+def _fifo_in_place_of(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _one_line(output: str) -> str:
+    """The refusal: one line (verify adds its count of problems below it), no traceback."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    assert "Traceback" not in output and (len(lines) == 1 or len(lines) == 2 and "problem(s) found" in lines[1]), \
+        output
+    return lines[0]
+
+
+# Files that are not regular files -------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["link_to_dev_zero", "fifo"])
+def test_a_manifest_that_is_a_device_or_a_fifo_is_refused_without_reading_it(pristine, tmp_path, kind):
+    """/dev/zero never ends (a plain read() grows until MemoryError); opening a FIFO blocks until a
+    writer comes. info, verify, the readers and train each refuse at once with one line."""
+    store = _copy(pristine, tmp_path)
+    manifest = store / "manifest.json"
+    if kind == "fifo":
+        _fifo_in_place_of(manifest)
+        expected = "manifest.json: a FIFO, not a regular file"
+    else:
+        manifest.unlink()
+        manifest.symlink_to("/dev/zero")
+        expected = "manifest.json: a link to /dev/zero, outside the store"
+    runner = CliRunner()
+    for command in (["info", str(store)], ["verify", "--no-progress", str(store)],
+                    ["train", "--store", str(store), "--out", str(tmp_path / "run"), "--device", "cpu",
+                     "--no-progress"]):
+        result = runner.invoke(cli_main, command)
+        assert result.exit_code == 1, (command, result.output)
+        line = _one_line(result.output)
+        assert expected in line, (command, line)
+    for verify in ("none", "first-read"):
+        with pytest.raises(StoreFormatError, match=expected):
+            open_store(str(store), verify=verify)
+    assert not (tmp_path / "run" / "run_config.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_an_unlisted_rejects_file_is_never_read(pristine, tmp_path):
+    """rejects.jsonl that the manifest does not list, linked to /dev/zero: verify reports it as unlisted
+    (and the counts it cannot back), without opening it."""
+    store = _copy(pristine, tmp_path)
+    manifest = store / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["files"]["rejects.jsonl"]
+    manifest.write_text(json.dumps(data))
+    (store / "rejects.jsonl").unlink()
+    (store / "rejects.jsonl").symlink_to("/dev/zero")
+    report = verify_store(str(store))
+    assert "rejects.jsonl" in report.unlisted
+    assert any("rejects.jsonl: holds {}" in p for p in report.problems), report.problems
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["rejects.jsonl", TABLE, "shards/shard-00001/hidden_states/layer_m1/zarr.json",
+                                  "shards/shard-00001/hidden_states/layer_m1/c/0/0", "head.safetensors"])
+def test_a_listed_file_that_is_a_fifo_is_refused_without_blocking(pristine, tmp_path, name):
+    """A FIFO inside the store with the recorded size 0 passing no size check would block any open();
+    verify names it, and every reader refuses the store (or the shard) before opening it."""
+    store = _copy(pristine, tmp_path)
+    _fifo_in_place_of(store / name)
+    expected = f"{name}: a FIFO, not a regular file"
+    report = verify_store(str(store))
+    assert any(expected in p for p in report.problems), report.problems
+    with pytest.raises(StoreFormatError, match=expected):
+        opened = open_store(str(store), verify="first-read")
+    if name != "rejects.jsonl":  # which no reader but verify opens
+        opened = open_store(str(store), verify="none", check_files=False)  # checked as it is read
+        with pytest.raises(StoreFormatError, match=expected):
+            opened.load_head()
+            for index in range(len(opened)):
+                opened[index]
+    result = CliRunner().invoke(cli_main, ["train", "--store", str(store), "--out", str(tmp_path / "run"),
+                                           "--device", "cpu", "--no-progress", "--no-verify-store"])
+    assert result.exit_code == 1 and expected in _one_line(result.output), result.output
