@@ -117,3 +117,89 @@ def test_a_listed_file_that_is_a_fifo_is_refused_without_blocking(pristine, tmp_
     result = CliRunner().invoke(cli_main, ["train", "--store", str(store), "--out", str(tmp_path / "run"),
                                            "--device", "cpu", "--no-progress", "--no-verify-store"])
     assert result.exit_code == 1 and expected in _one_line(result.output), result.output
+
+
+# --overwrite deletes only a store of ours, and only its files ---------------------------------------
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name != "_lock"}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    from tests.tiny import build_target
+
+    return build_target(tmp_path_factory.mktemp("target"), template="chatml_generation")
+
+
+def _extract_overwrite(target: Path, tmp_path: Path, out: Path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": "Hello."}]}) + "\n")
+    return CliRunner().invoke(cli_main, ["extract", "--model", str(target), "--data", str(chats), "--out", str(out),
+                                         "--overwrite", "--no-progress"])
+
+
+def _merge_overwrite(pristine: Path, tmp_path: Path, out: Path):
+    other = tmp_path / "other"
+    samples = make_samples(3, torch.bfloat16, seed=5)
+    for sample in samples:
+        sample["sample_id"] = "other-" + sample["sample_id"]
+    build(str(other), samples, "bfloat16")
+    return CliRunner().invoke(cli_main, ["merge", "--no-progress", str(pristine), str(other), "--out", str(out),
+                                         "--overwrite"])
+
+
+@pytest.mark.parametrize("command", ["extract", "merge"])
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["foreign_manifest", "garbled_manifest", "fifo_manifest", "foreign_pending",
+                                  "store_with_a_stranger", "stranger_in_a_shard"])
+def test_overwrite_deletes_nothing_that_is_not_provably_a_store_of_ours(pristine, target, tmp_path, command, case):
+    """A web app's folder with its own manifest.json, a folder whose _pending.json is not ours, and real
+    stores of other inputs holding a file they do not list: `--overwrite` refuses with one line naming
+    what is in the way, before any Ray or model start-up, and every byte stays."""
+    out = tmp_path / "out"
+    if case == "foreign_manifest":
+        out.mkdir()
+        (out / "manifest.json").write_text(json.dumps({"name": "webapp", "version": "1.0", "icons": []}))
+        (out / "index.html").write_text("<html></html>")
+        expected = "holds a manifest.json that is not a beagle-pipeline store's"
+    elif case in ("garbled_manifest", "fifo_manifest"):
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+        if case == "garbled_manifest":
+            (out / "manifest.json").write_text("{not json")
+            expected = "manifest.json: not valid JSON"
+        else:
+            os.mkfifo(out / "manifest.json")
+            expected = "manifest.json: a FIFO, not a regular file"
+    elif case == "foreign_pending":
+        out.mkdir()
+        (out / "_pending.json").write_text(json.dumps({"job": 17, "dataset_id": ["x"]}))
+        (out / "thesis.tex").write_text("\\documentclass{article}")
+        expected = "holds a _pending.json that is not a beagle-pipeline store's"
+    else:
+        shutil.copytree(pristine, out)
+        stranger = "notes.txt" if case == "store_with_a_stranger" else "shards/shard-00001/results.csv"
+        (out / stranger).write_text("keep me")
+        expected = f"--overwrite deletes only a store's own files, and {stranger} is not one"
+    before = _tree(out)  # regular files only: a FIFO is never opened
+    run = _extract_overwrite if command == "extract" else _merge_overwrite
+    result = run(target if command == "extract" else pristine, tmp_path, out)
+    assert result.exit_code == 1, result.output
+    assert expected in _one_line(result.output) and "nothing was deleted" in result.output, result.output
+    assert _tree(out) == before
+    assert case != "fifo_manifest" or (out / "manifest.json").is_fifo()
+
+
+def test_overwrite_deletes_a_store_of_ours_with_its_temporaries_and_builds_the_new_one(pristine, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(pristine, out)
+    (out / "head.safetensors.tmp-123-abcd").write_bytes(b"half a head")
+    (out / "shards" / ".shard-00007.tmp-1-ff").mkdir()
+    (out / "shards" / ".shard-00007.tmp-1-ff" / "samples.arrow").write_bytes(b"half a shard")
+    result = _merge_overwrite(pristine, tmp_path, out)
+    assert result.exit_code == 0, result.output
+    assert verify_store(str(out)).ok and not verify_store(str(out)).unlisted
+    assert len(open_store(str(out))) == 13

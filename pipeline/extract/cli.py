@@ -75,8 +75,9 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--samples-per-shard", default=256, show_default=True, help="Samples per store shard.")
 @click.option("--overwrite", is_flag=True,
               help="If --out holds a store (or unfinished store) built from other inputs or settings, DELETE it "
-                   "before building this one. A store of these same inputs is never deleted: it is kept if "
-                   "complete, resumed if not.")
+                   "before building this one (only the files it lists: a folder holding anything else is "
+                   "refused). A store of these same inputs is never deleted: it is kept if complete, resumed "
+                   "if not.")
 @click.option("--dry-run", is_flag=True, help="Tokenize only; print token count and estimated store size.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")

@@ -113,8 +113,9 @@ def verify(store: str, no_progress: bool) -> None:
 @click.argument("stores", nargs=-1, required=True)
 @click.option("--out", required=True, help="Destination store (path or fsspec URL).")
 @click.option("--overwrite", is_flag=True,
-              help="DELETE a store (or unfinished store) of other inputs already at --out before merging; the "
-                   "merge of these same stores is kept if complete, resumed if not.")
+              help="DELETE a store (or unfinished store) of other inputs already at --out before merging (only "
+                   "the files it lists: a folder holding anything else is refused); the merge of these same "
+                   "stores is kept if complete, resumed if not.")
 @click.option("--samples-per-shard", default=1024, show_default=True, help="Samples per output shard.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def merge(stores: tuple[str, ...], out: str, overwrite: bool, samples_per_shard: int, no_progress: bool) -> None:

@@ -301,6 +301,14 @@ def _load_manifest(fs: Any, root: str, url: str) -> dict:
     except (ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
         raise StoreFormatError(f"{path} is not valid JSON ({type(error).__name__}); "
                                "the store is damaged, rebuild it") from None
+    return check_manifest(manifest, url)
+
+
+def check_manifest(manifest: Any, url: str) -> dict:
+    """The manifest as it was parsed, if it is one this version reads: a schema version it knows, every
+    field the reader relies on, of the right type; else StoreFormatError saying what is wrong. (Paths
+    leaving the store are refused separately, by `_check_paths`.)"""
+    path = fmt.join(url, fmt.MANIFEST)
     if not isinstance(manifest, dict) or "schema_version" not in manifest:
         raise StoreFormatError(f"{path} has no schema_version; it is not a beagle-pipeline store")
     major = fmt.major_version(manifest["schema_version"])

@@ -49,12 +49,21 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
 
     Refuses (StoreConflictError) a store or half-built store made from other inputs unless `overwrite`,
     in which case that old content is deleted first (a store of this same `dataset_id` is never deleted:
-    it is complete, or resumed). Temporary files an interrupted writer left behind are removed.
-    The caller holds `store_lock(url)`.
+    it is complete, or resumed). Only what is provably a store of ours is ever deleted, and of it only the
+    files it lists, its shards' files and this project's temporaries: a `manifest.json` or `_pending.json`
+    that is not ours, or any other file in the folder, is refused, naming it, and nothing is deleted.
+    Temporary files an interrupted writer left behind are removed. The caller holds `store_lock(url)`.
     """
     fs, root = fmt.open_fs(url)
-    existing = _read_json(fs, fmt.join(root, fmt.MANIFEST), files.MANIFEST_MAX_BYTES) \
-        or _read_json(fs, fmt.join(root, fmt.PENDING))
+    try:
+        manifest = _read_json(fs, fmt.join(root, fmt.MANIFEST), files.MANIFEST_MAX_BYTES)
+        pending = _read_json(fs, fmt.join(root, fmt.PENDING)) if manifest is None else None
+    except StoreFormatError as error:  # not JSON, not a regular file, far too large: not something we wrote
+        raise StoreConflictError(f"{url}: {error}, so not a beagle-pipeline store's; nothing was deleted: move "
+                                 "it away, or choose another --out") from None
+    existing = manifest if manifest is not None else pending
+    if existing is not None:
+        _check_ours(url, manifest, pending)
     other_inputs = existing is not None and existing.get("dataset_id") != dataset_id
     if other_inputs and not overwrite:
         raise StoreConflictError(
@@ -62,11 +71,20 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
             f"(dataset_id {str(existing.get('dataset_id'))[:12]}…, this run {dataset_id[:12]}…); "
             "pass --overwrite to delete it and build this one, or choose another --out")
     if other_inputs:
+        owned = _owned_paths(fs, root, manifest)
+        foreign = [relative for relative in _relative_files(fs, root) if relative not in owned
+                   and relative not in (fmt.LOCK, fmt.LOCK_OBJECT) and not _is_temporary(relative)]
+        if foreign:
+            more = f" (and {len(foreign) - 1} other file(s))" if len(foreign) > 1 else ""
+            raise StoreConflictError(
+                f"{url}: --overwrite deletes only a store's own files, and {foreign[0]}{more} is not one; "
+                "nothing was deleted: move it away, or choose another --out")
         log.warning("--overwrite: deleting %s (dataset_id %s) before building %s", url, existing.get("dataset_id"),
                     dataset_id)
-        _clear_store(fs, root)
+        _delete_owned(fs, root, owned)
         existing = None
-    _remove_interrupted_writes(fs, root)
+    if existing is not None:
+        _remove_interrupted_writes(fs, root)
     if fs.exists(fmt.join(root, fmt.MANIFEST)):
         return "complete"
     fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
@@ -74,6 +92,101 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
         atomic.write_bytes(fmt.join(root, fmt.PENDING), fmt.canonical_json({"dataset_id": dataset_id}), fs=fs)
         return "new"
     return "resume"
+
+
+_PENDING_KEYS = {"dataset_id", "command"}
+
+
+def _check_ours(url: str, manifest: Any, pending: Any) -> None:
+    """A manifest or pending marker at `url` must be one this project writes; else StoreConflictError: the
+    folder holds something else (a web app's manifest.json, say), which is never called a store, nor deleted."""
+    from pipeline.store.reader import _check_paths, check_manifest
+
+    if manifest is not None:
+        try:
+            _check_paths(check_manifest(manifest, url), url)
+        except StoreFormatError as error:
+            raise StoreConflictError(f"{url} holds a {fmt.MANIFEST} that is not a beagle-pipeline store's ({error}); "
+                                     "nothing was deleted: move it away, or choose another --out") from None
+    elif not (isinstance(pending, dict) and set(pending) <= _PENDING_KEYS
+              and isinstance(pending.get("dataset_id"), str) and pending["dataset_id"]):
+        raise StoreConflictError(f"{url} holds a {fmt.PENDING} that is not a beagle-pipeline store's; "
+                                 "nothing was deleted: move it away, or choose another --out")
+
+
+# What an unfinished store holds besides its shards: written before the manifest, under these names.
+_UNFINISHED_TOP_LEVEL = (fmt.PENDING, fmt.HEAD, fmt.REJECTS)
+# Files of a shard on object storage that crashed before its shard.json (local shards build in a temporary).
+_SHARD_LAYOUT = (fmt.SAMPLES_FILE, "hidden_states/")
+
+
+def _owned_paths(fs: Any, root: str, manifest: dict | None) -> set[str]:
+    """The files (relative paths) that are provably this store's: those its manifest lists, the manifest
+    and the shards' shard.json; for an unfinished store, the files each committed shard's shard.json
+    lists and the few top-level files written before the manifest. Temporaries are matched by name."""
+    owned = set(_UNFINISHED_TOP_LEVEL)
+    if manifest is not None:
+        from pipeline.store.integrity import listed_files
+
+        owned |= {fmt.MANIFEST, *listed_files(manifest)}
+        owned |= {f"{fmt.SHARDS_DIR}/{shard['name']}/{fmt.SHARD_INFO}" for shard in manifest["shards"]}
+    shards_dir = fmt.join(root, fmt.SHARDS_DIR)
+    if fs.exists(shards_dir) and fs.isdir(shards_dir):
+        for entry in fs.ls(shards_dir, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if not (name.startswith("shard-") and name[len("shard-"):].isdigit()):
+                continue
+            prefix = f"{fmt.SHARDS_DIR}/{name}/"
+            try:
+                info = _read_json(fs, fmt.join(entry, fmt.SHARD_INFO))
+            except StoreFormatError:
+                info = None
+            if isinstance(info, dict) and isinstance(info.get("files"), dict):
+                owned.add(prefix + fmt.SHARD_INFO)
+                owned |= {relative for relative in info["files"] if isinstance(relative, str)
+                          and relative.startswith(prefix)}
+            elif not fmt.is_local(fs) and not fs.exists(fmt.join(entry, fmt.SHARD_INFO)):
+                owned |= {relative for relative in _relative_files(fs, root, prefix)
+                          if relative[len(prefix):].startswith(_SHARD_LAYOUT)}
+    return owned
+
+
+def _is_temporary(relative: str) -> bool:
+    """This project's temporaries: `NAME.tmp-*` of atomic writes at the top level or in shards/, shard
+    build folders `shards/.shard-N.tmp-*/...` and replaced shards `shards/.shard-N.old-*/...`."""
+    parts = relative.split("/")
+    if len(parts) == 1:
+        return ".tmp-" in parts[0]
+    if parts[0] != fmt.SHARDS_DIR:
+        return False
+    return ".tmp-" in parts[1] or (parts[1].startswith(".shard-") and ".old-" in parts[1])
+
+
+def _relative_files(fs: Any, root: str, prefix: str = "") -> list[str]:
+    """Every file under `root` (or under its sub-folder `prefix`), relative to root, sorted. Links are
+    listed as files, never followed."""
+    base = fmt.join(root, prefix.rstrip("/")) if prefix else root
+    if not fs.exists(base):
+        return []
+    if fmt.is_local(fs):
+        found = []
+        for folder, directories, names in os.walk(base):
+            found += [os.path.relpath(os.path.join(folder, name), root) for name in names]
+            found += [os.path.relpath(os.path.join(folder, name), root) for name in directories
+                      if os.path.islink(os.path.join(folder, name))]
+        return sorted(path.replace(os.sep, "/") for path in found)
+    return sorted(path[len(root.rstrip("/")) + 1:] for path in fs.find(base))
+
+
+def _delete_owned(fs: Any, root: str, owned: set[str]) -> None:
+    """Delete the store's own files and temporaries, then the folders left empty (never the lock)."""
+    for relative in _relative_files(fs, root):
+        if relative in owned or _is_temporary(relative):
+            fs.rm(fmt.join(root, relative))
+    if fmt.is_local(fs):
+        for folder, _, _ in sorted(os.walk(fmt.join(root, fmt.SHARDS_DIR)), key=lambda entry: -len(entry[0])):
+            if not os.listdir(folder) and not os.path.islink(folder):
+                os.rmdir(folder)
 
 
 def _remove_interrupted_writes(fs: Any, root: str) -> None:
@@ -127,13 +240,6 @@ def store_lock(url: str) -> Iterator[None]:
             f"{url} is being written by another process (it holds {path}); wait for that job to finish, "
             "or choose another --out")):
         yield
-
-
-def _clear_store(fs: Any, root: str) -> None:
-    """Delete a store's content but not its lock (which the caller is holding)."""
-    for entry in fs.ls(root, detail=False):
-        if entry.rstrip("/").rsplit("/", 1)[-1] not in (fmt.LOCK, fmt.LOCK_OBJECT):
-            fs.rm(entry, recursive=True)
 
 
 def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *, layers: list[int],
@@ -438,8 +544,7 @@ def _read_json(fs: Any, path: str, limit: int = files.SMALL_JSON_MAX_BYTES) -> A
         return json.loads(files.read_bounded(fs, root, relative, limit))
     except FileNotFoundError:
         return None
-    except StoreFormatError as error:
-        raise StoreFormatError(f"{path}: {error}; move it away or choose another --out") from None
+    except StoreFormatError:  # a ValueError too: not one for the clause below
+        raise
     except (ValueError, RecursionError) as error:
-        raise StoreFormatError(f"{path} is not valid JSON ({type(error).__name__}); delete it or rerun with "
-                               "--overwrite") from None
+        raise StoreFormatError(f"{relative}: not valid JSON ({type(error).__name__})") from None
