@@ -203,3 +203,94 @@ def test_overwrite_deletes_a_store_of_ours_with_its_temporaries_and_builds_the_n
     assert result.exit_code == 0, result.output
     assert verify_store(str(out)).ok and not verify_store(str(out)).unlisted
     assert len(open_store(str(out))) == 13
+
+
+# Structure, not just checksums -----------------------------------------------------------------------
+
+def _rewrite_table(store: Path, shard: int, edit) -> None:
+    """Rewrite shard `shard`'s sample table through `edit(columns)` and fix every checksum and size that
+    records it (shard.json and the manifest), as someone who forges a store consistently would."""
+    import hashlib
+
+    import pyarrow as pa
+
+    from pipeline.store.writer import SAMPLES_SCHEMA
+
+    name = f"shard-{shard:05d}"
+    relative = f"shards/{name}/samples.arrow"
+    path = store / relative
+    with pa.memory_map(str(path)) as source:
+        columns = pa.ipc.open_stream(source).read_all().to_pydict()
+    edit(columns)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, SAMPLES_SCHEMA) as writer:
+        writer.write_table(pa.Table.from_pydict(columns, schema=SAMPLES_SCHEMA))
+    payload = sink.getvalue().to_pybytes()
+    path.unlink()
+    path.write_bytes(payload)
+    entry = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+    info_path = store / "shards" / name / "shard.json"
+    info = json.loads(info_path.read_text())
+    info["files"][relative] = entry
+    info_path.write_text(json.dumps(info))
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["shards"][shard]["files"][relative] = entry
+    (store / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _set(column: str, row: int, value):
+    def edit(columns):
+        columns[column][row] = value
+    return edit
+
+
+def _set_item(column: str, row: int, position: int, value):
+    def edit(columns):
+        columns[column][row][position] = value
+    return edit
+
+
+STRUCTURE = {  # damage: (shard, edit, what the refusal says)
+    "negative_offset": (1, _set("token_offset", 2, -5), "has token_offset -5, not"),
+    "huge_offset": (1, _set("token_offset", 3, 10 ** 12), "has token_offset 1000000000000, not"),
+    "overlapping_offsets": (1, _set("token_offset", 1, 0), "has token_offset 0, not"),
+    "negative_token_id": (1, _set_item("input_ids", 0, 1, -3), "a negative token id (-3)"),
+    "token_id_past_the_vocabulary": (1, _set_item("input_ids", 0, 1, 300), "token id 300 >= the vocabulary size 300"),
+    "mask_of_seven": (1, _set_item("loss_mask", 2, 0, 7), "loss_mask value 7, not 0 or 1"),
+    "duplicate_id_in_a_shard": (1, _set("sample_id", 1, "s0-4"), "sample id 's0-4' appears more than once"),
+    "duplicate_id_across_shards": (2, _set("sample_id", 0, "s0-4"),
+                                   "sample id 's0-4' appears in shards/shard-00001 and in shards/shard-00002"),
+}
+
+
+@pytest.fixture(scope="module")
+def trainable(tmp_path_factory) -> Path:
+    """A 4-shard float32 store of the tiny target's real states that `train` trains on."""
+    from tests.test_reliability_store import _build
+
+    return Path(_build(tmp_path_factory.mktemp("trainable") / "store", seed=0))
+
+
+@pytest.mark.parametrize("damage", list(STRUCTURE))
+def test_structure_is_checked_not_just_checksums(trainable, tmp_path, damage):
+    """Sample tables rewritten with their checksums fixed: offsets out of the shard or overlapping,
+    token ids outside the vocabulary, a mask value of 7, a duplicate sample id. verify names the
+    problem, every reader refuses the shard, and train refuses with one line before its first step."""
+    from tests.test_reliability_store import TRAIN_FLAGS
+
+    store = _copy(trainable, tmp_path)
+    shard, edit, expected = STRUCTURE[damage]
+    _rewrite_table(store, shard, edit)
+    report = verify_store(str(store))
+    assert any(expected in p for p in report.problems), report.problems
+    for verify in ("none", "first-read"):
+        opened = open_store(str(store), verify=verify)
+        with pytest.raises(StoreFormatError, match="damaged or hostile"):
+            for index in range(len(opened)):
+                opened[index]
+            opened.lengths  # what every trainer and eval reads first; checks ids across the shards too
+    run = tmp_path / "run"
+    result = CliRunner().invoke(cli_main, ["train", "--store", str(store), "--out", str(run), *TRAIN_FLAGS])
+    assert result.exit_code == 1, result.output
+    assert expected in _one_line(result.output), result.output
+    assert not (run / "metrics.jsonl").exists() and not (run / "run_config.json").exists()

@@ -11,7 +11,10 @@ manifest whose checksums were rewritten to match forged files is authentic (the 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from pipeline.store import files
 from pipeline.store import format as fmt
@@ -57,6 +60,57 @@ def count_problems(manifest: dict) -> list[str]:
         if total != counts.get(key):
             problems.append(f"{fmt.MANIFEST}: counts.{key} is {counts.get(key)}, shards add up to {total}")
     return problems
+
+
+def table_problems(table: Mapping[str, Any], info: dict, *, vocab_size: int | None, where: str) -> list[str]:
+    """The structure of one shard's sample table, which checksums cannot vouch for (a store rewritten with
+    its checksums fixed passes them): every sample's tokens, mask and states lie where `length` says, laid
+    back to back as the writer lays them (so no two overlap and none reaches past the shard's states),
+    token ids in [0, vocab_size), mask values in {0, 1}, sample ids unique, counts those of the manifest.
+    `table` as `_Shard.read_table` gives it; `where` names the file. Vectorised: a pass over the table."""
+    problems = []
+    lengths = np.asarray(table["length"], dtype=np.int64)
+    offsets = np.asarray(table["token_offset"], dtype=np.int64)
+    input_ids, loss_mask = table["input_ids"], table["loss_mask"]
+    if len(input_ids) and int(input_ids.min()) < 0:
+        problems.append(f"{where}: a negative token id ({int(input_ids.min())})")
+    if vocab_size and len(input_ids) and int(input_ids.max()) >= int(vocab_size):
+        problems.append(f"{where}: token id {int(input_ids.max())} >= the vocabulary size {vocab_size}")
+    if len(loss_mask) and int(loss_mask.max()) > 1:
+        problems.append(f"{where}: loss_mask value {int(loss_mask.max())}, not 0 or 1")
+    if len(lengths) and int(lengths.min()) < 0:
+        problems.append(f"{where}: a negative length ({int(lengths.min())})")
+    if not np.array_equal(np.diff(table["list_offsets"]), lengths) or \
+            not np.array_equal(np.diff(table["mask_offsets"]), lengths):
+        problems.append(f"{where}: input_ids/loss_mask lengths differ from `length`")
+    expected = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
+    bad = np.flatnonzero(offsets != expected)
+    if len(bad):
+        row = int(bad[0])
+        problems.append(f"{where}: sample {row} ({table['sample_id'][row]!r}) has token_offset {int(offsets[row])}, "
+                        f"not {int(expected[row])}: its states would overlap another sample's or lie outside "
+                        "the shard's")
+    if int(lengths.sum()) != info["tokens"]:
+        problems.append(f"{where}: lengths sum to {int(lengths.sum())}, the manifest says {info['tokens']} tokens")
+    if int(np.asarray(loss_mask, dtype=np.int64).sum()) != info["loss_tokens"]:
+        problems.append(f"{where}: loss tokens differ from the manifest")
+    ids = table["sample_id"]
+    if len(set(ids)) != len(ids):
+        seen: set[str] = set()
+        duplicate = next(i for i in ids if i in seen or seen.add(i))
+        problems.append(f"{where}: sample id {duplicate!r} appears more than once")
+    return problems
+
+
+def duplicate_id_problem(ids_by_shard: list[tuple[str, list[str]]]) -> str | None:
+    """Sample ids must be unique across a store's shards: the first one seen in two shards, named."""
+    first_shard: dict[str, str] = {}
+    for shard, ids in ids_by_shard:
+        for sample_id in set(ids):
+            if sample_id in first_shard:
+                return f"sample id {sample_id!r} appears in {first_shard[sample_id]} and in {shard}"
+            first_shard[sample_id] = shard
+    return None
 
 
 def sha256_bytes(payload: bytes) -> str:

@@ -32,6 +32,9 @@ from pipeline.store.zarr_io import map_hidden_array, zarr_store
 log = logging.getLogger(__name__)
 
 SUPPORTED_MAJOR = 1
+# The sample table's columns and their Arrow types (pipeline.store.writer.SAMPLES_SCHEMA).
+_TABLE_COLUMNS = {"sample_id": pa.string(), "length": pa.int32(), "token_offset": pa.int64(),
+                  "input_ids": pa.list_(pa.int32()), "loss_mask": pa.list_(pa.uint8())}
 
 
 class _Shard:
@@ -69,16 +72,30 @@ class _Shard:
                 if problem:
                     raise StoreFormatError(f"{self._store.url}: {problem}; do not use this store")
 
-    @cached_property
-    def table(self) -> dict[str, np.ndarray]:
+    @property
+    def table_file(self) -> str:
+        """The sample table's path relative to the store root."""
+        return f"{fmt.SHARDS_DIR}/{self.info['name']}/{fmt.SAMPLES_FILE}"
+
+    def read_table(self) -> dict[str, np.ndarray]:
+        """The sample table as arrays, its Arrow structure and column types checked, its content not
+        (`table` checks that; `verify` lists every problem of it instead)."""
         self._check_kinds(table=True)
         self._verify(table=True)
         fs = self._store.fs
         path = fmt.join(self.directory, fmt.SAMPLES_FILE)
-        relative = f"{fmt.SHARDS_DIR}/{self.info['name']}/{fmt.SAMPLES_FILE}"
-        source = pa.memory_map(path) if fmt.is_local(fs) else pa.BufferReader(
-            files.read_bounded(fs, self._store.root, relative, self.info["files"][relative]["bytes"]))
-        table = pa.ipc.open_stream(source).read_all().combine_chunks()
+        relative = self.table_file
+        try:
+            source = pa.memory_map(path) if fmt.is_local(fs) else pa.BufferReader(
+                files.read_bounded(fs, self._store.root, relative, self.info["files"][relative]["bytes"]))
+            table = pa.ipc.open_stream(source).read_all().combine_chunks()
+            table.validate(full=True)  # list offsets inside their values, and the like
+            for name, kind in _TABLE_COLUMNS.items():
+                if table.schema.field(name).type != kind:
+                    raise TypeError(f"column {name} is {table.schema.field(name).type}, not {kind}")
+        except (pa.ArrowException, KeyError, TypeError) as error:
+            raise StoreFormatError(f"{self._store.url}: {relative}: not a sample table of this format "
+                                   f"({type(error).__name__}: {error}); run `beagle-pipeline verify`") from None
         if table.num_rows != self.info["samples"]:
             raise StoreFormatError(f"{path}: {table.num_rows} samples, manifest says {self.info['samples']}; "
                                    "run `beagle-pipeline verify`")
@@ -92,6 +109,19 @@ class _Shard:
             "loss_mask": loss_mask.values.to_numpy(),
             "mask_offsets": loss_mask.offsets.to_numpy(),
         }
+
+    def table_problems(self, table: dict[str, np.ndarray]) -> list[str]:
+        return integrity.table_problems(table, self.info, vocab_size=self._store.vocab_size, where=self.table_file)
+
+    @cached_property
+    def table(self) -> dict[str, np.ndarray]:
+        """The sample table, refused (StoreFormatError) unless every sample lies where the states are."""
+        table = self.read_table()
+        problems = self.table_problems(table)
+        if problems:
+            raise StoreFormatError(f"{self._store.url}: {problems[0]}; the store is damaged or hostile, do not "
+                                   f"train on it (`beagle-pipeline verify {self._store.url}` lists every problem)")
+        return table
 
     @cached_property
     def hidden(self) -> list[Any]:
@@ -110,6 +140,10 @@ class _Shard:
                 import zarr
                 mapped = zarr.open_array(zarr_store(store.fs, self.directory, read_only=True),
                                          path=fmt.hidden_array_name(layer), mode="r")
+            if tuple(mapped.shape) != (self.info["tokens"], store.hidden_size):
+                raise StoreFormatError(f"{store.url}: {fmt.SHARDS_DIR}/{self.info['name']}/"
+                                       f"{fmt.hidden_array_name(layer)}: shape {tuple(mapped.shape)}, the manifest "
+                                       f"says ({self.info['tokens']}, {store.hidden_size}); run `beagle-pipeline verify`")
             arrays.append(mapped)
         return arrays
 
@@ -121,8 +155,15 @@ class _Shard:
         self._check_kinds(table=False)
         self._verify(table=False)
         zstore = zarr_store(self._store.fs, self.directory, read_only=True)
-        return [np.asarray(zarr.open_array(zstore, path=fmt.scale_array_name(layer), mode="r")[:])
-                for layer in self._store.layers]
+        scales = []
+        for layer in self._store.layers:
+            array = zarr.open_array(zstore, path=fmt.scale_array_name(layer), mode="r")
+            if tuple(array.shape) != (self.info["tokens"],):  # read whole below: its size must be the shard's
+                raise StoreFormatError(f"{self._store.url}: {fmt.SHARDS_DIR}/{self.info['name']}/"
+                                       f"{fmt.scale_array_name(layer)}: shape {tuple(array.shape)}, the manifest "
+                                       f"says ({self.info['tokens']},); run `beagle-pipeline verify`")
+            scales.append(np.asarray(array[:]))
+        return scales
 
     def tokens_numpy(self, row: int) -> tuple[np.ndarray, np.ndarray]:
         """input_ids [L] and loss_mask [L] of one row, from the sample table alone (no state is read)."""
@@ -205,11 +246,22 @@ class FeatureStore:
     def num_tokens(self) -> int:
         return int(self.manifest["counts"]["tokens"])
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The target's vocabulary size as the manifest records it (token ids must lie below), if it does."""
+        vocab = (self.target.get("architecture") or {}).get("vocab_size")
+        return int(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
     @cached_property
     def lengths(self) -> np.ndarray:
-        """Tokens per sample, [num_samples] int64: for token-budget batching without touching states."""
+        """Tokens per sample, [num_samples] int64: for token-budget batching without touching states.
+        Reads (and checks) every sample table; sample ids must be unique across the shards."""
         if not self._shards:
             return np.zeros(0, dtype=np.int64)
+        problem = integrity.duplicate_id_problem([(f"{fmt.SHARDS_DIR}/{shard.info['name']}", shard.table["sample_id"])
+                                                  for shard in self._shards])
+        if problem:
+            raise StoreFormatError(f"{self.url}: {problem}; the store is damaged or hostile, do not train on it")
         return np.concatenate([shard.table["length"] for shard in self._shards]).astype(np.int64)
 
     def __len__(self) -> int:
