@@ -89,6 +89,11 @@ def _check_stores(stores: list[str]) -> None:
                    "Default: the vocabulary the drafter was trained on (`train --draft-vocab`), else all.")
 @click.option("--draft-vocab-store", multiple=True,
               help="Store(s) to count token frequencies in (default: the stores in the drafter's config.json).")
+@click.option("--allow-other-target-weights", is_flag=True,
+              help="Evaluate even when --model's weights are not those the drafter was trained on (it records "
+                   "their sha256), e.g. on a fine-tune of that target. Outputs stay the target's own (verification "
+                   "decides every token); the risk is speed: a drafter trained on other states may be accepted "
+                   "rarely, and its τ and speedup then describe the mismatch, not the drafter.")
 @click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (docs/method.md §5.2).")
 @click.option("--strict/--no-strict", default=None,
               help="Greedy: exit 1 when any answer differs from plain decoding. [on in float32; off in bfloat16 "
@@ -97,7 +102,7 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
              temperature, min_confidence, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
-             draft_vocab_store, no_concat, strict, no_progress) -> None:
+             draft_vocab_store, allow_other_target_weights, no_concat, strict, no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
 
     Prints τ (tokens per target pass), acceptance per depth, tokens/s of both, the speedup and peak
@@ -125,7 +130,8 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         torch_device = pick_device(device)
         torch.manual_seed(seed)
         model, tokenizer = load_target(model_path, dtype, torch_device)
-        drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device)
+        drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device,
+                                         allow_other_weights=allow_other_target_weights)
         eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         if draft_vocab and not draft_vocab_store:
             _check_stores(list(meta.get("stores") or []))  # the training stores it will count tokens in

@@ -55,6 +55,20 @@ def weight_files(model_path: str | Path) -> list[Path]:
     return files
 
 
+def weights_sha256(model_path: str | Path) -> str:
+    """The sha256 a store's manifest records for a target's weights (`target.weights_sha256`): each
+    weight file's name and bytes, in name order. One read of the weights, streamed."""
+    import hashlib
+
+    from pipeline.store.hashing import update_from_file
+
+    digest = hashlib.sha256()
+    for path in weight_files(model_path):
+        digest.update(path.name.encode() + b"\0")
+        update_from_file(digest, path)
+    return digest.hexdigest()
+
+
 # Names of the input embedding across families: Llama-style, GPT-2, Falcon/BLOOM, GPT-NeoX, older Llama ports.
 _EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight",
                     "tok_embeddings.weight")

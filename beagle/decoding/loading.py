@@ -12,7 +12,7 @@ from beagle.decoding.verify import check_supported
 from beagle.devices import torch_dtype
 from beagle.export import CONFIG_NAME, load_drafter
 from beagle.target_facts import facts_from_config, read_target_facts
-from beagle.target_model import check_weights_match, load_causal_lm, load_tokenizer
+from beagle.target_model import check_weights_match, load_causal_lm, load_tokenizer, weights_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +32,12 @@ def load_target(model_path: str | Path, dtype: str, device: torch.device):
     return model, tokenizer
 
 
-def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.device):
+def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.device, *,
+                     allow_other_weights: bool = False):
     """The drafter with the target's own frozen embedding and LM head, after checking it was built for
-    a target of the same width and vocabulary (and warning when the target's config differs)."""
+    a target of the same width and vocabulary, and of the same weights where the drafter records their
+    sha256 (`allow_other_weights` accepts others, e.g. a fine-tune, with a warning); a warning when
+    the target's config differs."""
     drafter_dir = Path(drafter_dir)
     config_path = drafter_dir / CONFIG_NAME
     if not config_path.is_file():
@@ -59,6 +62,26 @@ def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.d
         if hashlib.sha256(model_config.read_bytes()).hexdigest() != trained_for:
             logger.warning("drafter %s was trained on a target whose config.json differs from %s; "
                            "acceptance may be poor", drafter_dir, model_config)
+    _check_weights(drafter_dir, meta, Path(getattr(target_config, "_name_or_path", "") or ""), allow_other_weights)
     drafter, _ = load_drafter(drafter_dir, embed_tokens=embed.detach(), lm_head=head.detach(),
                               device=device, dtype=torch_dtype(dtype))
     return drafter, meta
+
+
+def _check_weights(drafter_dir: Path, meta: dict, model_dir: Path, allow_other_weights: bool) -> None:
+    """A drafter is trained on one target's hidden states: a target of the same shape with other weights
+    (a fine-tune, another checkpoint) is refused unless allowed. Costs one more read of the weight files,
+    mostly from the page cache as the model was just loaded from them (skipped when allowed)."""
+    trained_for = (meta.get("target") or {}).get("weights_sha256")
+    if not trained_for or not (model_dir / "config.json").is_file():
+        return
+    if allow_other_weights:
+        logger.warning("drafter %s: not checking that %s has the weights it was trained on "
+                       "(--allow-other-target-weights)", drafter_dir, model_dir)
+        return
+    actual = weights_sha256(model_dir)
+    if actual != trained_for:
+        raise ValueError(f"drafter {drafter_dir} was trained on a target whose weights have sha256 "
+                         f"{trained_for[:12]}…, but --model {model_dir} has {actual[:12]}… (same shape, other "
+                         "weights); pass the --model the drafter was trained on, or --allow-other-target-weights "
+                         "to evaluate it anyway (outputs stay the target's own; acceptance, so speed, may be poor)")

@@ -21,8 +21,7 @@ import torch
 from beagle.devices import pick_device
 from beagle.layer_capture import LayerCapture, base_model, normalize_layers  # noqa: F401 - re-exported
 from beagle.target_facts import facts_from_config, read_target_facts
-from beagle.target_model import load_causal_lm, weight_files
-from pipeline.store.hashing import update_from_file
+from beagle.target_model import load_causal_lm, weights_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +40,12 @@ class ForwardConfig:
 def target_fingerprint(model_path: str, dtype: str, *, trust_remote_code: bool = False) -> dict[str, Any]:
     """The manifest's `target`: name, hashes of config and weights (files in name order), architecture."""
     root = Path(model_path)
-    files = weight_files(model_path)
+    weights = weights_sha256(model_path)
     facts = read_target_facts(model_path, trust_remote_code=trust_remote_code)
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + b"\0")
-        update_from_file(digest, path)
     config = json.loads((root / "config.json").read_text())  # only for the name the model was saved under
     return {"name": config.get("_name_or_path") or root.name,
             "config_sha256": hashlib.sha256((root / "config.json").read_bytes()).hexdigest(),
-            "weights_sha256": digest.hexdigest(), "dtype": dtype, "architecture": facts.architecture()}
+            "weights_sha256": weights, "dtype": dtype, "architecture": facts.architecture()}
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:

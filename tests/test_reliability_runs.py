@@ -1,0 +1,58 @@
+"""Runs that must match what they continue or evaluate: `eval` refuses a target whose weights are not the
+drafter's, `train --resume` refuses stores other than the run's. Real files, real commands."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from beagle.export import save_drafter
+from pipeline.cli import main as cli_main
+from tests.decoding_helpers import bigram_drafter, chat_tokenizer_dir, tiny_target, write_jsonl
+
+WORDS = 40
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
+    """(target, the same shape with other weights, a drafter trained for the first, prompts)."""
+    from pipeline.extract.forward import target_fingerprint
+
+    root = tmp_path_factory.mktemp("targets")
+    tokenizer = chat_tokenizer_dir(root / "target", words=WORDS)
+    models = {}
+    for name, seed in (("target", 2), ("fine-tune", 3)):
+        models[name] = tiny_target(vocab_size=len(tokenizer), context_scale=0.15, seed=seed)
+        models[name].generation_config.eos_token_id = tokenizer.eos_token_id
+        if name != "target":
+            shutil.copytree(root / "target", root / name)
+        models[name].save_pretrained(root / name)
+    trained_on = target_fingerprint(str(root / "target"), "float32")  # what extract records, train copies
+    save_drafter(root / "drafter", bigram_drafter(models["target"]), metadata={"target": {
+        key: trained_on[key] for key in ("name", "config_sha256", "weights_sha256")}})
+    prompts = write_jsonl(root / "question.jsonl", [{"prompt": "w20 w21"}])
+    return root / "target", root / "fine-tune", root / "drafter", prompts
+
+
+def _eval(target: Path, drafter: Path, prompts: Path, *extra: str):
+    return CliRunner().invoke(cli_main, ["eval", "--model", str(target), "--drafter", str(drafter), "--prompts",
+                                         str(prompts), "--max-new-tokens", "4", "--chain", "--depth", "2",
+                                         "--no-progress", *extra])
+
+
+def test_eval_refuses_a_target_with_other_weights_unless_told(targets):
+    """Same config, same shape, other weights (a fine-tune): the drafter records the weights' sha256, so
+    eval refuses with one line naming both; --allow-other-target-weights evaluates anyway."""
+    target, fine_tune, drafter, prompts = targets
+    assert (target / "config.json").read_bytes() == (fine_tune / "config.json").read_bytes()
+    result = _eval(fine_tune, drafter, prompts)
+    assert result.exit_code == 2, result.output
+    assert "was trained on a target whose weights have sha256" in result.output
+    assert "--allow-other-target-weights" in result.output and "Traceback" not in result.output
+    result = _eval(fine_tune, drafter, prompts, "--allow-other-target-weights")
+    assert result.exit_code == 0, result.output
+    result = _eval(target, drafter, prompts)
+    assert result.exit_code == 0 and "outputs match plain greedy decoding" in result.output, result.output
