@@ -54,6 +54,13 @@ def _check_resume(run_dir: Path, saved: dict[str, Any], data: StoreSet, config: 
     if fp != old_fp:
         raise ValueError(f"store target {fp} differs from the run's target {old_fp} in {run_dir / RUN_CONFIG}; "
                          "resume with the stores the run started from")
+    if data.dataset_ids != saved.get("dataset_ids", data.dataset_ids):
+        # Another store of the same target would continue the batch plan over other samples, and the run's
+        # record would name only the new store, dropping what the steps so far trained on.
+        raise ValueError(f"--resume with stores {data.urls} (dataset_ids {[i[:12] for i in data.dataset_ids]}), but "
+                         f"the run in {run_dir} trained on {saved.get('stores')} (dataset_ids "
+                         f"{[str(i)[:12] for i in saved['dataset_ids']]}); resume with the same --store list, in "
+                         "the same order (moved copies are fine), or start a new run in another --out")
     arch, old_arch = data.target["architecture"], saved["drafter"]
     for key in ("hidden_size", "vocab_size"):
         if int(arch[key]) != int(old_arch[key]):

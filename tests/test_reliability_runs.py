@@ -56,3 +56,28 @@ def test_eval_refuses_a_target_with_other_weights_unless_told(targets):
     assert result.exit_code == 0, result.output
     result = _eval(target, drafter, prompts)
     assert result.exit_code == 0 and "outputs match plain greedy decoding" in result.output, result.output
+
+
+def test_resume_refuses_other_stores_of_the_same_target(tmp_path):
+    """A run trained 2 steps on store A; --resume on store B (same target, other samples) is refused with
+    one line naming both, and nothing of the run changes; A moved elsewhere resumes."""
+    from tests.test_reliability_store import TRAIN_FLAGS, _build
+
+    first, other = _build(tmp_path / "a", seed=0), _build(tmp_path / "b", seed=7)
+    run = tmp_path / "run"
+    flags = list(TRAIN_FLAGS)
+    result = CliRunner().invoke(cli_main, ["train", "--store", first, "--out", str(run), *flags])
+    assert result.exit_code == 0, result.output
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    more = [*flags[:flags.index("--max-steps")], "--max-steps", "3", *flags[flags.index("--max-steps") + 2:]]
+    for stores in ([other], [first, other]):
+        command = ["train", "--out", str(run), "--resume", *more]
+        for store in stores:
+            command += ["--store", store]
+        result = CliRunner().invoke(cli_main, command)
+        assert result.exit_code == 2, result.output
+        assert "--resume with stores" in result.output and "the run in" in result.output, result.output
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    moved = shutil.move(first, tmp_path / "moved")
+    result = CliRunner().invoke(cli_main, ["train", "--store", str(moved), "--out", str(run), "--resume", *more])
+    assert result.exit_code == 0 and "trained 3 steps" in result.output, result.output
