@@ -294,3 +294,52 @@ def test_structure_is_checked_not_just_checksums(trainable, tmp_path, damage):
     assert result.exit_code == 1, result.output
     assert expected in _one_line(result.output), result.output
     assert not (run / "metrics.jsonl").exists() and not (run / "run_config.json").exists()
+
+
+# Messages: one line, naming the command to rerun ----------------------------------------------------
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real size-limited filesystem (tmpfs), which needs mount privileges (root in the CI container)."""
+    import subprocess
+
+    where = tmp_path / "small-fs"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the test needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_disk_during_merge_is_one_line_and_info_names_the_merge_to_rerun(tmp_path, small_filesystem):
+    """A merge onto a real tmpfs too small for it: one line naming the store and the command to rerun (no
+    traceback); `info` on the unfinished merge names `beagle-pipeline merge`, not extract; once the tmpfs
+    is grown, the same merge completes a store that verifies."""
+    import subprocess
+
+    from tests.test_store import CLI
+
+    first, second = make_samples(40, torch.float32, seed=1), make_samples(40, torch.float32, seed=2)
+    for index, sample in enumerate(second):
+        sample["sample_id"] = f"other-{index}"
+    build(str(tmp_path / "a"), first, "float32")
+    build(str(tmp_path / "b"), second, "float32")
+    out = small_filesystem / "merged"
+    merge = [*CLI, "merge", "--no-progress", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]
+    result = subprocess.run(merge, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    line = _one_line(result.stderr)
+    assert "No space left on device" in line and str(out) in line and "`beagle-pipeline merge`" in line, line
+    assert not (out / "manifest.json").exists()
+    info = subprocess.run([*CLI, "info", str(out)], capture_output=True, text=True, timeout=60)
+    assert info.returncode == 1
+    line = _one_line(info.stderr)
+    assert "unfinished store" in line and "rerun the same `beagle-pipeline merge` command" in line, line
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_filesystem)], check=True)
+    result = subprocess.run(merge, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert verify_store(str(out)).ok and len(open_store(str(out))) == 80

@@ -1,6 +1,7 @@
 """`beagle-pipeline info` and `beagle-pipeline verify`."""
 from __future__ import annotations
 
+import errno
 import json
 import sys
 
@@ -136,6 +137,12 @@ def merge(stores: tuple[str, ...], out: str, overwrite: bool, samples_per_shard:
                                     progress=bar.update)
     except (StoreError, ValueError) as error:
         raise click.ClickException(str(error)) from None
+    except OSError as error:  # disk full or over quota: the shards written stay, no manifest is written
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise click.ClickException(
+            f"writing {out} failed: {error.strerror or error}; the merge is unfinished (no manifest.json, readers "
+            "refuse it); free space and rerun the same `beagle-pipeline merge` command to resume") from None
     dropped = manifest["extra"].get("merge", {}).get("duplicates_dropped", 0)
     click.echo(f"merged {len(stores)} stores into {out}: {manifest['counts']['samples']} samples, "
                f"{manifest['counts']['tokens']} tokens, {dropped} duplicate(s) dropped")

@@ -73,7 +73,7 @@ def merge_stores(urls: list[str], out: str, *, overwrite: bool = False, samples_
                               capture=reference["capture"], source=source)
     dataset_id = fmt.compute_dataset_id(identity)
     with store_lock(out):
-        if begin_store(out, dataset_id, overwrite=overwrite) == "complete":
+        if begin_store(out, dataset_id, overwrite=overwrite, command="merge") == "complete":
             log.info("%s is already the complete merge of these stores", out)
             return open_store(out).manifest
         done = committed_shards(out, remove_damaged=True)

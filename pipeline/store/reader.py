@@ -344,8 +344,8 @@ def _load_manifest(fs: Any, root: str, url: str) -> dict:
         manifest = json.loads(payload)  # JSON only: a hostile manifest can describe, not execute
     except FileNotFoundError:
         if fs.exists(fmt.join(root, fmt.PENDING)):
-            raise StoreNotFoundError(f"{url} is an unfinished store (no {fmt.MANIFEST}): rerun the same "
-                                     "extract command to complete it") from None
+            raise StoreNotFoundError(f"{url} is an unfinished store (no {fmt.MANIFEST}): "
+                                     f"{unfinished_fix(fs, root)}") from None
         raise StoreNotFoundError(f"{url} is not a feature store: {fmt.MANIFEST} not found; "
                                  "check the path or build one with `beagle-pipeline extract`") from None
     except StoreFormatError as error:  # a link out of the store, a FIFO, a device, or far too large
@@ -354,6 +354,20 @@ def _load_manifest(fs: Any, root: str, url: str) -> dict:
         raise StoreFormatError(f"{path} is not valid JSON ({type(error).__name__}); "
                                "the store is damaged, rebuild it") from None
     return check_manifest(manifest, url)
+
+
+def unfinished_fix(fs: Any, root: str) -> str:
+    """How to complete an unfinished store: rerun the command that started it, as its pending marker says."""
+    try:
+        pending = json.loads(files.read_bounded(fs, root, fmt.PENDING, files.SMALL_JSON_MAX_BYTES))
+    except (OSError, ValueError, RecursionError):  # StoreFormatError is a ValueError
+        pending = None
+    command = pending.get("command", "extract") if isinstance(pending, dict) else "extract"
+    if command == "merge":
+        return "rerun the same `beagle-pipeline merge` command to complete it"
+    if command == "extract":
+        return "rerun the same extract command to complete it"
+    return "write it again the same way to complete it"
 
 
 def check_manifest(manifest: Any, url: str) -> dict:

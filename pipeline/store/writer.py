@@ -44,8 +44,11 @@ def store_identity(*, target: dict, tokenizer: dict, capture: dict, source: dict
     return {"target": target, "tokenizer": tokenizer, "capture": capture, "source": source}
 
 
-def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
+def begin_store(url: str, dataset_id: str, *, overwrite: bool = False, command: str = "extract") -> str:
     """Claim `url` for building `dataset_id`. Returns "complete", "resume" or "new".
+
+    `command`: what builds the store ("extract", "merge", "write_store"), recorded in the pending marker
+    so that a reader of the unfinished store names the command that completes it.
 
     Refuses (StoreConflictError) a store or half-built store made from other inputs unless `overwrite`,
     in which case that old content is deleted first (a store of this same `dataset_id` is never deleted:
@@ -89,7 +92,8 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False) -> str:
         return "complete"
     fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
     if existing is None:
-        atomic.write_bytes(fmt.join(root, fmt.PENDING), fmt.canonical_json({"dataset_id": dataset_id}), fs=fs)
+        atomic.write_bytes(fmt.join(root, fmt.PENDING),
+                           fmt.canonical_json({"dataset_id": dataset_id, "command": command}), fs=fs)
         return "new"
     return "resume"
 
@@ -496,7 +500,7 @@ def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: bytes, 
     with store_lock(url):
         identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
         dataset_id = fmt.compute_dataset_id(identity)
-        if begin_store(url, dataset_id, overwrite=overwrite) == "complete":
+        if begin_store(url, dataset_id, overwrite=overwrite, command="write_store") == "complete":
             raise StoreConflictError(f"{url} is already a complete store of this data; delete it to rebuild it")
         shards = []
         for batch in _batched(samples, samples_per_shard):
