@@ -143,10 +143,11 @@ def _extract_overwrite(target: Path, tmp_path: Path, out: Path):
 
 def _merge_overwrite(pristine: Path, tmp_path: Path, out: Path):
     other = tmp_path / "other"
-    samples = make_samples(3, torch.bfloat16, seed=5)
-    for sample in samples:
-        sample["sample_id"] = "other-" + sample["sample_id"]
-    build(str(other), samples, "bfloat16")
+    if not other.exists():
+        samples = make_samples(3, torch.bfloat16, seed=5)
+        for sample in samples:
+            sample["sample_id"] = "other-" + sample["sample_id"]
+        build(str(other), samples, "bfloat16")
     return CliRunner().invoke(cli_main, ["merge", "--no-progress", str(pristine), str(other), "--out", str(out),
                                          "--overwrite"])
 
@@ -343,3 +344,25 @@ def test_a_full_disk_during_merge_is_one_line_and_info_names_the_merge_to_rerun(
     result = subprocess.run(merge, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert verify_store(str(out)).ok and len(open_store(str(out))) == 80
+
+
+# A rerun of a complete store checks what it keeps ---------------------------------------------------
+
+def test_rerunning_the_same_merge_repairs_a_damaged_complete_store(pristine, tmp_path):
+    """A finished merge with a flipped byte in one shard's states and in its head: rerunning the same merge
+    hashes every file it would keep, rewrites the damaged shard and head, and the store verifies again;
+    an intact complete store is kept as it is."""
+    out = tmp_path / "out"
+    assert _merge_overwrite(pristine, tmp_path, out).exit_code == 0
+    clean = _tree(out)
+    for name in ("shards/shard-00000/hidden_states/layer_m1/c/0/0", "head.safetensors"):
+        payload = bytearray((out / name).read_bytes())
+        payload[len(payload) // 2] ^= 0x01  # same size: only a checksum sees it
+        (out / name).write_bytes(bytes(payload))
+    assert not verify_store(str(out)).ok
+    result = _merge_overwrite(pristine, tmp_path, out)
+    assert result.exit_code == 0, result.output
+    assert verify_store(str(out)).ok and _tree(out) == clean
+    untouched = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert _merge_overwrite(pristine, tmp_path, out).exit_code == 0
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == untouched

@@ -374,6 +374,28 @@ def test_a_damaged_committed_shard_is_written_again_on_rerun(clean_store, job, d
     assert _per_sample(str(out)) == _per_sample(str(clean_store))
 
 
+def test_rerunning_the_same_extract_repairs_a_damaged_complete_store(clean_store, job):
+    """A finished store with a flipped byte in one shard's states and in its head: a rerun of the same
+    command hashes every file of the store, writes that shard and the head again (the other shards are
+    kept), and the store verifies and equals a clean run sample for sample."""
+    from pipeline.extract.pipeline import run_extract
+
+    out = job["root"] / "complete-damaged"
+    shutil.copytree(clean_store, out)
+    states = out / "shards" / "shard-00002" / "hidden_states" / "layer_m1" / "c" / "0" / "0"
+    for victim in (states, out / "head.safetensors"):
+        payload = bytearray(victim.read_bytes())
+        payload[len(payload) // 2] ^= 0x01  # same size: only a checksum sees it
+        victim.write_bytes(bytes(payload))
+    assert not verify_store(str(out)).ok
+    summary = run_extract(_config(job, out))
+    assert summary.state == "resume" and summary.shards_resumed == summary.shards - 1
+    assert verify_store(str(out)).ok
+    assert _per_sample(str(out)) == _per_sample(str(clean_store))
+    assert (out / "head.safetensors").read_bytes() == (clean_store / "head.safetensors").read_bytes()
+    assert run_extract(_config(job, out)).state == "complete"
+
+
 def test_overwrite_keeps_a_store_of_the_same_inputs_and_clears_what_crashed_writers_left(clean_store, job):
     """--overwrite deletes only a store of OTHER inputs; one of the same inputs stays as it is. Temporary
     files and build folders of interrupted writers are removed by the next run."""

@@ -89,13 +89,59 @@ def begin_store(url: str, dataset_id: str, *, overwrite: bool = False, command: 
     if existing is not None:
         _remove_interrupted_writes(fs, root)
     if fs.exists(fmt.join(root, fmt.MANIFEST)):
-        return "complete"
+        if not _reopen_if_damaged(url, fs, root, existing, command):
+            return "complete"
+        return "resume"
     fs.makedirs(fmt.join(root, fmt.SHARDS_DIR), exist_ok=True)
     if existing is None:
         atomic.write_bytes(fmt.join(root, fmt.PENDING),
                            fmt.canonical_json({"dataset_id": dataset_id, "command": command}), fs=fs)
         return "new"
     return "resume"
+
+
+def _reopen_if_damaged(url: str, fs: Any, root: str, manifest: dict, command: str) -> bool:
+    """A complete store of the same inputs is kept only if every file it lists still has its recorded size
+    and sha256 (one read of the whole store, at hashing speed). Else it is made unfinished again, so the
+    build redoes what is damaged: the pending marker first, then the damaged shards and top-level files
+    are deleted, the manifest last (a crash in between leaves a manifest that the next run checks again).
+    Returns whether it was reopened."""
+    from pipeline.store.integrity import file_problem
+
+    damaged_shards, damaged_files = [], []
+    for relative, meta in sorted(manifest["files"].items()):
+        problem, _ = file_problem(fs, root, relative, meta)
+        if problem:
+            damaged_files.append((relative, problem))
+    for shard in manifest["shards"]:
+        for relative, meta in sorted(shard["files"].items()):
+            problem, _ = file_problem(fs, root, relative, meta)
+            if problem:
+                damaged_shards.append((shard["name"], problem))
+                break
+    if not damaged_shards and not damaged_files:
+        return False
+    log.warning("%s is complete but damaged (%s); redoing what is damaged", url,
+                "; ".join(problem for _, problem in damaged_files + damaged_shards))
+    atomic.write_bytes(fmt.join(root, fmt.PENDING),
+                       fmt.canonical_json({"dataset_id": manifest["dataset_id"], "command": command}), fs=fs)
+    for relative, _ in damaged_files:
+        _remove(fs, fmt.join(root, relative))
+    for name, _ in damaged_shards:
+        _remove(fs, fmt.join(root, fmt.SHARDS_DIR, name))
+    _remove(fs, fmt.join(root, fmt.MANIFEST))
+    return True
+
+
+def _remove(fs: Any, path: str) -> None:
+    """Delete a file or a folder (recursively), if there; on local disk a link is removed, never followed."""
+    if not fmt.is_local(fs):
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    elif os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
 
 
 _PENDING_KEYS = {"dataset_id", "command"}
@@ -186,7 +232,7 @@ def _delete_owned(fs: Any, root: str, owned: set[str]) -> None:
     """Delete the store's own files and temporaries, then the folders left empty (never the lock)."""
     for relative in _relative_files(fs, root):
         if relative in owned or _is_temporary(relative):
-            fs.rm(fmt.join(root, relative))
+            _remove(fs, fmt.join(root, relative))
     if fmt.is_local(fs):
         for folder, _, _ in sorted(os.walk(fmt.join(root, fmt.SHARDS_DIR)), key=lambda entry: -len(entry[0])):
             if not os.listdir(folder) and not os.path.islink(folder):
