@@ -396,6 +396,52 @@ def test_rerunning_the_same_extract_repairs_a_damaged_complete_store(clean_store
     assert run_extract(_config(job, out)).state == "complete"
 
 
+def test_an_input_changed_while_extract_runs_is_refused_and_nothing_of_it_is_committed(ray_address, job):
+    """The input file is swapped for one with as many records and other content after extract hashed it
+    (when its progress bar starts, before the records are read for good), by a rename or by a rewrite in
+    place: the job stops with one line naming the file, before any shard of the new bytes is forwarded,
+    and leaves nothing a rerun must overwrite; the rerun with the final file builds a store whose
+    recorded sha256 is that of the bytes it holds."""
+    import hashlib
+
+    from pipeline.extract.pipeline import run_extract
+
+    data = job["root"] / "changing.jsonl"
+    original = Path(job["data"]).read_bytes()
+    swapped = original.replace(b"Here is what I know about", b"Nobody knows a thing about")
+    assert swapped.count(b"\n") == original.count(b"\n") and swapped != original
+    out = job["root"] / "provenance"
+    config = replace(_config(job, out), data=(str(data),), samples_per_shard=16)
+
+    class SwapWhenStarted:
+        def __init__(self, how: str) -> None:
+            self.how = how
+
+        def start(self, total: int) -> None:
+            if self.how == "replaced":
+                data.with_suffix(".new").write_bytes(swapped)
+                os.replace(data.with_suffix(".new"), data)
+            else:
+                time.sleep(0.05)  # past the file system's timestamp granularity since the file was written
+                with open(data, "r+b") as handle:
+                    handle.write(swapped)
+
+        def advance(self, records: int, tokens: int, *, forwarded: bool) -> None:
+            pass
+
+    for how in ("replaced", "rewritten_in_place"):
+        data.write_bytes(original)
+        with pytest.raises(ValueError, match=f"--data {re.escape(str(data))}: changed while extract ran"):
+            run_extract(config, progress=SwapWhenStarted(how))
+        assert not (out / "manifest.json").exists() and not committed_shards(str(out))
+        assert not (out / "_pending.json").exists()  # the rerun with other bytes needs no --overwrite
+    summary = run_extract(config)  # the file is final now (the swapped content)
+    store = open_store(str(out))
+    assert summary.state == "new" and summary.samples > 0 and verify_store(str(out)).ok
+    assert store.manifest["source"]["files"][0]["sha256"] == hashlib.sha256(swapped).hexdigest()
+    assert hashlib.sha256(data.read_bytes()).hexdigest() == hashlib.sha256(swapped).hexdigest()
+
+
 def test_overwrite_keeps_a_store_of_the_same_inputs_and_clears_what_crashed_writers_left(clean_store, job):
     """--overwrite deletes only a store of OTHER inputs; one of the same inputs stays as it is. Temporary
     files and build folders of interrupted writers are removed by the next run."""

@@ -339,6 +339,18 @@ def read_inputs(paths: list[str], *, limit: int | None = None,
     return ReadResult(*read_records(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes))
 
 
+def file_identity(path: Path) -> list[tuple]:
+    """What changes whenever a file's bytes may have: device, inode, size, mtime and ctime (ctime cannot
+    be set back by hand), of the file or of each file of a directory. Taken before a file is hashed and
+    again before the store is committed: equal, the bytes read are the bytes hashed."""
+    files = [path] if not path.is_dir() else sorted(p for p in path.rglob("*") if p.is_file())
+    identity = []
+    for file in files:
+        info = file.stat()
+        identity.append((str(file), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+    return identity
+
+
 @dataclass(frozen=True)
 class InputScan:
     """What one pass over the inputs learns without keeping a record: the facts the dataset_id needs before
@@ -347,6 +359,13 @@ class InputScan:
     sources: list[dict[str, Any]]  # {"path", "sha256", "records"} per input, as RecordStream reports them
     records: int  # usable records: each becomes a sample or a tokenizing reject
     conversations: bool  # some usable record is a conversation
+    identities: list[list[tuple]] = field(default_factory=list)  # file_identity of each input, before hashing
+
+
+def changed_inputs(scan: InputScan) -> list[str]:
+    """The inputs whose file identity is no longer what it was when `scan` hashed them."""
+    return [source["path"] for source, identity in zip(scan.sources, scan.identities)
+            if file_identity(Path(source["path"])) != identity]
 
 
 def scan_inputs(paths: list[str], *, limit: int | None = None,
@@ -357,7 +376,7 @@ def scan_inputs(paths: list[str], *, limit: int | None = None,
     conversations = False
     for record in stream:
         conversations = conversations or record.messages is not None
-    return InputScan(stream.sources, stream.records, conversations)
+    return InputScan(stream.sources, stream.records, conversations, stream.identities)
 
 
 def stream_inputs(paths: list[str], scan: InputScan, *, limit: int | None = None,
@@ -401,13 +420,15 @@ class RecordStream:
         self.digests = digests
         self.rejects: list[dict[str, Any]] = []
         self.sources: list[dict[str, Any]] = []
+        self.identities: list[list[tuple]] = []  # file_identity of each input, taken before it was hashed
         self.records = 0  # usable records yielded so far
 
     def __iter__(self) -> Iterator[Any]:
-        self.rejects, self.sources, self.records = [], [], 0
+        self.rejects, self.sources, self.identities, self.records = [], [], [], 0
         names = [p.name for p in self.checked]
         seen_ids: set[str] = set()
         for k, (given, path) in enumerate(zip(self.paths, self.checked)):
+            self.identities.append(file_identity(path))
             digest = self.digests[k] if self.digests is not None else sha256_path(path)
             # Ids derived from position use the file name, or its hash when two inputs share a name.
             prefix = path.name if names.count(path.name) == 1 else f"{path.name}@{digest[:8]}"

@@ -29,8 +29,8 @@ from beagle.target_model import check_weights_match, weight_files
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
 from pipeline.extract.dispatch import Forwarded, ShardDispatcher, actor_busy_seconds, write_overlap_seconds
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
-from pipeline.extract.inputs import (DEFAULT_MAX_RECORD_BYTES, InputScan, RecordStream, check_data_path,
-                                    scan_inputs, stream_inputs)
+from pipeline.extract.inputs import (DEFAULT_MAX_RECORD_BYTES, InputScan, RecordStream, changed_inputs,
+                                    check_data_path, scan_inputs, stream_inputs)
 from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from pipeline.extract.summary import ExtractSummary
 from pipeline.ray_session import connect_ray, size_actor_pool
@@ -221,28 +221,66 @@ def _stream_shards(prepared: Prepared, url: str, progress: Progress | None) -> S
                 if progress is not None:
                     progress.advance(len(samples), committed[index]["tokens"], forwarded=False)
                 continue
+            _refuse_changed(prepared.scan)  # a stat per input: stop before forwarding bytes that were not hashed
             if dispatcher is None:
                 pending = max(1, math.ceil(prepared.scan.records / config.samples_per_shard) - len(committed))
                 dispatcher = _dispatcher(prepared, url, pending, progress)
             dispatcher.submit(index, samples)
         forwarded = dispatcher.finish() if dispatcher is not None else Forwarded()
+    except InputChangedError:
+        if dispatcher is not None:  # shards this run committed were made from bytes that were not hashed
+            try:
+                dispatcher.finish()  # so that no actor commits one after they are discarded
+            finally:
+                _discard_shards(url, [info["index"] for info in dispatcher.forwarded.infos])
+        raise
     finally:
         if dispatcher is not None:
             dispatcher.close()
     report_rejects()
-    _check_unchanged(prepared.scan, records)
+    try:
+        _check_unchanged(prepared.scan, records)
+    except InputChangedError:
+        _discard_shards(url, [info["index"] for info in forwarded.infos])  # made from bytes not hashed
+        raise
     batch_tokens = dispatcher.config.batch_tokens if dispatcher is not None else config.batch_tokens
     return Streamed(counts, _sorted_rejects(config, records.rejects, counts.rejects), shards, kept, forwarded,
                     batch_tokens)
 
 
 def _check_unchanged(scan: InputScan, records: RecordStream) -> None:
-    """The dataset_id counts each file's records as the first pass saw them: a file that grew or shrank
-    since (still being written?) would make the store lie about its inputs."""
+    """The dataset_id records each file's sha256 and record count as the first pass saw them: a file that
+    changed since (still being written? replaced?) would make the store lie about its inputs. Its record
+    count, and its identity (inode, size, mtime, ctime: `file_identity`, taken before it was hashed),
+    must be what they were, now that every record has been read for good."""
     for before, after in zip(scan.sources, records.sources):
         if before["records"] != after["records"]:
-            raise ValueError(f"--data {before['path']}: changed while it was read ({before['records']} records, "
+            raise InputChangedError(f"--data {before['path']}: changed while it was read ({before['records']} records, "
                              f"then {after['records']}); rerun once it is complete")
+    _refuse_changed(scan)
+
+
+class InputChangedError(ValueError):
+    """An input file changed while extract read it: what was forwarded from it cannot be trusted."""
+
+
+def _refuse_changed(scan: InputScan) -> None:
+    changed = changed_inputs(scan)
+    if changed:
+        raise InputChangedError(f"--data {changed[0]}: changed while extract ran (replaced or rewritten after it was "
+                         "hashed), so the store would record the sha256 of other bytes than it holds; nothing "
+                         "was committed from it: rerun once the inputs are final")
+
+
+def _discard_shards(url: str, indices: list[int]) -> None:
+    """Delete shards this run committed (the caller holds the store's lock)."""
+    from pipeline.store import format as fmt
+
+    fs, root = fmt.open_fs(url)
+    for index in indices:
+        path = fmt.join(root, fmt.SHARDS_DIR, fmt.shard_name(index))
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
 
 
 # Padded tokens per forward batch when --batch-tokens is not given. A GPU wants large batches. A CPU does not:
@@ -292,7 +330,7 @@ def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> E
 def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: Progress | None,
                 started: float) -> ExtractSummary:
     """Inside the store lock: find the shards already committed, forward the rest, commit the manifest."""
-    from pipeline.store import begin_store, compute_dataset_id, store_identity
+    from pipeline.store import begin_store, committed_shards, compute_dataset_id, store_identity
     from pipeline.store.writer import abandon_new_store
 
     facts = identity(prepared, target_fingerprint(config.model_path, config.dtype,
@@ -303,7 +341,12 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
         return _complete_summary(url, dataset_id, started)
     owned = connect_ray(config.address, config.num_workers)
     try:
-        streamed = _stream_shards(prepared, url, progress)
+        try:
+            streamed = _stream_shards(prepared, url, progress)
+        except InputChangedError:  # its shards were discarded
+            if state == "new" and not committed_shards(url):
+                abandon_new_store(url)  # so that the rerun, with the final inputs, meets no half-made store
+            raise
         summary = _base_summary(streamed.counts, streamed.rejects, dataset_id)
         if not summary.samples:
             if state == "new":
