@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from beagle.devices import DTYPES
-from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
+from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS
 from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
 from pipeline.ray_session import quiet_ray_loggers
 
@@ -72,6 +72,9 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
 @click.option("--max-record-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_RECORD_BYTES, show_default=True,
               help="Reject (as too_large, in the rejects file) any input record larger than this, unparsed.")
+@click.option("--max-turns", type=click.IntRange(min=1), default=DEFAULT_MAX_TURNS, show_default=True,
+              help="Reject (as too_many_turns) any conversation of more turns than this, before tokenizing: "
+                   "finding its loss mask could take minutes.")
 @click.option("--samples-per-shard", default=256, show_default=True, help="Samples per store shard.")
 @click.option("--overwrite", is_flag=True,
               help="If --out holds a store (or unfinished store) built from other inputs or settings, DELETE it "
@@ -84,7 +87,7 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int, ...], max_length: int,
             dtype: str, batch_tokens: int | None, num_workers: int | None, num_gpus_per_worker: float,
             device_map: str | None, address: str | None, limit: int | None, max_record_bytes: int,
-            samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
+            max_turns: int, samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
             no_progress: bool) -> None:
     """Run the target over conversations and store its hidden states for drafter training.
 
@@ -100,7 +103,7 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
     config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
                            dtype=dtype, batch_tokens=batch_tokens, num_workers=num_workers,
                            num_gpus_per_worker=num_gpus_per_worker, device_map=device_map, address=address,
-                           limit=limit, max_record_bytes=max_record_bytes, overwrite=overwrite,
+                           limit=limit, max_record_bytes=max_record_bytes, max_turns=max_turns, overwrite=overwrite,
                            trust_remote_code=trust_remote_code, samples_per_shard=samples_per_shard)
     progress = _TqdmProgress(enabled=not no_progress)
     try:

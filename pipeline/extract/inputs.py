@@ -34,6 +34,7 @@ REJECT_REASONS: dict[str, str] = {
     "invalid_text": "text that is not valid Unicode (e.g. a lone surrogate escape such as \\ud800)",
     "invalid_utf8": "a JSONL line whose bytes are not valid UTF-8 (never silently replaced)",
     "too_large": "a record larger than --max-record-bytes (rejected before it is parsed or tokenized)",
+    "too_many_turns": "a conversation of more turns than --max-turns (rejected before it is tokenized)",
     "no_assistant_turn": "a conversation with no assistant turn after its first user turn",
     "duplicate_id": "a record whose `id` was already seen in the inputs",
     "template_error": "the chat template raised on this conversation",
@@ -46,6 +47,11 @@ REJECT_REASONS: dict[str, str] = {
 # Large enough for any real conversation (a 1 MB message passes), small enough that one bad line cannot
 # exhaust a tokenize worker's memory.
 DEFAULT_MAX_RECORD_BYTES = 32 << 20
+# Turns of one conversation at most. Finding loss masks costs time that grows faster than the number of
+# turns on some templates (transformers' generation-marker path joins strings per block: 10^5 one-character
+# turns took 81 s); real conversations have tens of turns, ShareGPT's longest a few hundred.
+DEFAULT_MAX_TURNS = 1024
+LINE_BLOCK_BYTES = 1 << 20  # bytes read at a time while skipping the rest of a line over the size limit
 
 
 class RejectRecord(Exception):
@@ -211,12 +217,12 @@ def iter_raw_records(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_B
                                  "it to JSONL, where a bad line is rejected on its own") from None
             return
     with open(path, "rb") as handle:  # bytes: a line's size is checked before it is decoded or parsed
-        for i, raw in enumerate(handle):
-            if not raw.strip():
-                continue
-            if len(raw) > max_record_bytes:
-                yield i, None, RejectRecord("too_large", f"line {i + 1}: {len(raw):,} bytes, more than "
+        for i, (raw, size) in enumerate(bounded_lines(handle, max_record_bytes)):
+            if raw is None:
+                yield i, None, RejectRecord("too_large", f"line {i + 1}: {size:,} bytes, more than "
                                             f"--max-record-bytes {max_record_bytes:,}"), i + 1
+                continue
+            if not raw.strip():
                 continue
             try:
                 line = raw.decode("utf-8")
@@ -229,6 +235,34 @@ def iter_raw_records(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_B
                 yield i, None, RejectRecord("malformed_json", f"line {i + 1}: {_parse_error(exc)}"), i + 1
                 continue
             yield i, obj, None, i + 1
+
+
+def bounded_lines(handle: Any, limit: int, block_bytes: int = LINE_BLOCK_BYTES) -> Iterator[tuple[bytes | None, int]]:
+    """(line, its size in bytes) for each line of a binary file, its newline included; a line of more than
+    `limit` bytes comes as (None, size), having been read in blocks and dropped, never held whole (a file
+    of gigabytes with no newline costs `limit` plus a block of memory, not gigabytes)."""
+    while True:
+        raw = handle.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit:
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        while not raw.endswith(b"\n"):
+            raw = handle.readline(block_bytes)
+            if not raw:
+                break
+            size += len(raw)
+        yield None, size
+
+
+def _turns(obj: Any) -> int:
+    """The turns of a raw conversation record (0 for anything else), counted before they are normalised."""
+    if not isinstance(obj, dict):
+        return 0
+    turns = obj.get("conversations") if obj.get("conversations") is not None else obj.get("messages")
+    return len(turns) if isinstance(turns, list) else 0
 
 
 def _text_bytes(value: Any) -> int:
@@ -333,10 +367,11 @@ def check_data_path(path: str) -> Path:
     return p
 
 
-def read_inputs(paths: list[str], *, limit: int | None = None,
-                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> ReadResult:
+def read_inputs(paths: list[str], *, limit: int | None = None, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                max_turns: int | None = DEFAULT_MAX_TURNS) -> ReadResult:
     """Read every input in order into memory; stop once `limit` usable records are collected."""
-    return ReadResult(*read_records(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes))
+    return ReadResult(*read_records(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes,
+                                    max_turns=max_turns))
 
 
 def file_identity(path: Path) -> list[tuple]:
@@ -368,11 +403,12 @@ def changed_inputs(scan: InputScan) -> list[str]:
             if file_identity(Path(source["path"])) != identity]
 
 
-def scan_inputs(paths: list[str], *, limit: int | None = None,
-                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> InputScan:
+def scan_inputs(paths: list[str], *, limit: int | None = None, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                max_turns: int | None = DEFAULT_MAX_TURNS) -> InputScan:
     """Read the inputs once, keeping only counts. Extraction must know the dataset_id (which counts each
     file's records up to `limit`) before it claims a store, and must not hold the records to know it."""
-    stream = RecordStream(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes)
+    stream = RecordStream(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes,
+                          max_turns=max_turns)
     conversations = False
     for record in stream:
         conversations = conversations or record.messages is not None
@@ -380,18 +416,19 @@ def scan_inputs(paths: list[str], *, limit: int | None = None,
 
 
 def stream_inputs(paths: list[str], scan: InputScan, *, limit: int | None = None,
-                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> RecordStream:
+                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                  max_turns: int | None = DEFAULT_MAX_TURNS) -> RecordStream:
     """The records `scan` counted, read again lazily (the files are not hashed a second time)."""
     return RecordStream(paths, normalize_record, limit=limit, max_record_bytes=max_record_bytes,
-                        digests=[source["sha256"] for source in scan.sources])
+                        max_turns=max_turns, digests=[source["sha256"] for source in scan.sources])
 
 
 def read_records(paths: list[str], normalize: Callable[..., Any], *, limit: int | None = None,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_turns: int | None = None,
                  ) -> tuple[list[Any], list[dict[str, Any]], list[dict[str, Any]]]:
     """(records, rejects, sources) of every input in order, stopping once `limit` records are usable: a
     `RecordStream` read whole (regeneration, tests); extraction reads the stream as it goes instead."""
-    stream = RecordStream(paths, normalize, limit=limit, max_record_bytes=max_record_bytes)
+    stream = RecordStream(paths, normalize, limit=limit, max_record_bytes=max_record_bytes, max_turns=max_turns)
     records = list(stream)
     return records, stream.rejects, stream.sources
 
@@ -411,12 +448,14 @@ class RecordStream:
     """
 
     def __init__(self, paths: list[str], normalize: Callable[..., Any], *, limit: int | None = None,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, digests: list[str] | None = None) -> None:
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_turns: int | None = None,
+                 digests: list[str] | None = None) -> None:
         self.paths = list(paths)
         self.checked = [check_data_path(p) for p in paths]  # a missing or unreadable input fails at once
         self.normalize = normalize
         self.limit = limit
         self.max_record_bytes = max_record_bytes
+        self.max_turns = max_turns
         self.digests = digests
         self.rejects: list[dict[str, Any]] = []
         self.sources: list[dict[str, Any]] = []
@@ -458,6 +497,9 @@ class RecordStream:
             if line is None and _text_bytes(obj) > self.max_record_bytes:  # rows of .json / Parquet / datasets
                 raise RejectRecord("too_large", f"{_text_bytes(obj):,} bytes of text, more than "
                                    f"--max-record-bytes {self.max_record_bytes:,}")
+            turns = _turns(obj)
+            if self.max_turns is not None and turns > self.max_turns:
+                raise RejectRecord("too_many_turns", f"{turns:,} turns, more than --max-turns {self.max_turns:,}")
             record = self.normalize(obj, source=source, index=index, default_id=default_id)
             if record.sample_id in seen_ids:
                 raise RejectRecord("duplicate_id", f"id {record.sample_id!r} seen before")

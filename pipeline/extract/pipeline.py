@@ -29,7 +29,7 @@ from beagle.target_model import check_weights_match, weight_files
 from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
 from pipeline.extract.dispatch import Forwarded, ShardDispatcher, actor_busy_seconds, write_overlap_seconds
 from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
-from pipeline.extract.inputs import (DEFAULT_MAX_RECORD_BYTES, InputScan, RecordStream, changed_inputs,
+from pipeline.extract.inputs import (DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, InputScan, RecordStream, changed_inputs,
                                     check_data_path, scan_inputs, stream_inputs)
 from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from pipeline.extract.summary import ExtractSummary
@@ -57,6 +57,7 @@ class ExtractConfig:
     address: str | None = None  # None: start a local Ray
     limit: int | None = None
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # larger input records are rejected as too_large
+    max_turns: int = DEFAULT_MAX_TURNS  # conversations of more turns are rejected as too_many_turns
     overwrite: bool = False
     trust_remote_code: bool = False
     samples_per_shard: int = 256
@@ -103,14 +104,15 @@ def prepare(config: ExtractConfig) -> Prepared:
         raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: must be > 0")
     if config.device_map not in (None, "auto"):
         raise ValueError(f"--device-map {config.device_map}: only 'auto' is supported")
-    for name in ("max_length", "batch_tokens", "samples_per_shard"):
+    for name in ("max_length", "batch_tokens", "samples_per_shard", "max_turns"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least 1")
     facts = read_target_facts(config.model_path, trust_remote_code=config.trust_remote_code)
     check_weights_match(config.model_path, facts.hidden_size, facts.vocab_size, facts.num_hidden_layers)
     layers = normalize_layers(config.layers, facts.num_hidden_layers)
     tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
-    scan = scan_inputs(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
+    scan = scan_inputs(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes,
+                       max_turns=config.max_turns)
     if scan.conversations and not isinstance(tokenizer.chat_template, str):
         raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
                          "conversations; add a chat_template to tokenizer_config.json")
@@ -120,7 +122,7 @@ def prepare(config: ExtractConfig) -> Prepared:
 def _records(prepared: Prepared) -> RecordStream:
     config = prepared.config
     return stream_inputs(list(config.data), prepared.scan, limit=config.limit,
-                         max_record_bytes=config.max_record_bytes)
+                         max_record_bytes=config.max_record_bytes, max_turns=config.max_turns)
 
 
 def _samples(prepared: Prepared, records: RecordStream, *, use_ray: bool) -> Iterator[tuple[str, dict]]:
@@ -140,6 +142,8 @@ def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
                "loss_mask": "assistant_turns", "extract_version": EXTRACT_VERSION}
     if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older ids stay valid
         capture["max_record_bytes"] = config.max_record_bytes
+    if config.max_turns != DEFAULT_MAX_TURNS:
+        capture["max_turns"] = config.max_turns
     return {"target": target, "tokenizer": tokenizer_fingerprint(config.model_path, prepared.tokenizer),
             "capture": capture, "source": {"files": prepared.scan.sources}}
 
