@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import stat
 from contextlib import contextmanager
@@ -122,3 +123,17 @@ def sha256_bounded(fs: Any, root: str, relative: str, size: int) -> tuple[str, i
             digest.update(chunk)
             read += len(chunk)
     return digest.hexdigest(), read
+
+
+def read_json(fs: Any, path: str, limit: int = SMALL_JSON_MAX_BYTES) -> Any:
+    """A JSON file the writer reads back (manifest, pending marker, shard.json): a regular file inside the
+    store, at most `limit` bytes (StoreFormatError otherwise); None if it does not exist."""
+    root, relative = path.rsplit("/", 1)
+    try:
+        return json.loads(read_bounded(fs, root, relative, limit))
+    except FileNotFoundError:
+        return None
+    except StoreFormatError:  # a ValueError too: not one for the clause below
+        raise
+    except (ValueError, RecursionError) as error:
+        raise StoreFormatError(f"{relative}: not valid JSON ({type(error).__name__})") from None
