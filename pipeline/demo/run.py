@@ -139,8 +139,8 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
                          "--chain", "--depth", str(size.serve_draft_tokens), "--dtype", "float32",
                          "--json", str(out / "eval-engine.json"), *quiet]),
         ("serve", [str(SERVE_SCRIPT), "--drafter", str(out / "engine-drafter"), "--target", str(cache.model_dir),
-                   "--prompts", str(out / FIRST_TURNS), "--max-new-tokens", str(size.max_new_tokens),
-                   "--num-speculative-tokens", str(size.serve_draft_tokens), "--ours-json",
+                   "--prompts", str(out / FIRST_TURNS), "--limit", str(size.serve_prompts),
+                   "--max-new-tokens", str(size.max_new_tokens), "--num-speculative-tokens", str(size.serve_draft_tokens), "--ours-json",
                    str(out / "eval-engine.json"), "--out", str(out / "serve.json")]),
     ] if size.serve else []
     return [
