@@ -42,32 +42,26 @@ DEFAULT_MAX_POSITIONS = 4096             # when the target's config has none (vL
 
 # Engine-form Beagle -> EAGLE-3 (speculators/vLLM names; SGLang's are these with "layers.0." -> "midlayer.").
 # q/k/v are widened to [*, 2d] (see the module docstring); the LM head rows come from the target.
+# The block's layers (beagle/block.py) under a Llama decoder layer's names, shared by both layouts.
+_BLOCK_NAMES = {
+    "q_proj.weight": "layers.0.self_attn.q_proj.weight",
+    "k_proj.weight": "layers.0.self_attn.k_proj.weight",
+    "v_proj.weight": "layers.0.self_attn.v_proj.weight",
+    "o_proj.weight": "layers.0.self_attn.o_proj.weight",
+    "post_attention_norm.weight": "layers.0.post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "layers.0.mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "layers.0.mlp.up_proj.weight",
+    "mlp.down_proj.weight": "layers.0.mlp.down_proj.weight",
+}
 EAGLE3_NAMES = {
     "layer_fusion.proj.weight": "fc.weight",
     "input_norm.weight": "layers.0.input_layernorm.weight",
     "kv_norm.weight": "layers.0.hidden_norm.weight",
-    "q_proj.weight": "layers.0.self_attn.q_proj.weight",
-    "k_proj.weight": "layers.0.self_attn.k_proj.weight",
-    "v_proj.weight": "layers.0.self_attn.v_proj.weight",
-    "o_proj.weight": "layers.0.self_attn.o_proj.weight",
-    "post_attention_norm.weight": "layers.0.post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "layers.0.mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "layers.0.mlp.up_proj.weight",
-    "mlp.down_proj.weight": "layers.0.mlp.down_proj.weight",
+    **_BLOCK_NAMES,
     "output_norm.weight": "norm.weight",
 }
 # EAGLE-2 baseline -> vLLM EAGLE (llama_eagle.py). fc.bias is checked to be zero and left out.
-EAGLE_NAMES = {
-    "fc.weight": "fc.weight",
-    "q_proj.weight": "layers.0.self_attn.q_proj.weight",
-    "k_proj.weight": "layers.0.self_attn.k_proj.weight",
-    "v_proj.weight": "layers.0.self_attn.v_proj.weight",
-    "o_proj.weight": "layers.0.self_attn.o_proj.weight",
-    "post_attention_norm.weight": "layers.0.post_attention_layernorm.weight",
-    "mlp.gate_proj.weight": "layers.0.mlp.gate_proj.weight",
-    "mlp.up_proj.weight": "layers.0.mlp.up_proj.weight",
-    "mlp.down_proj.weight": "layers.0.mlp.down_proj.weight",
-}
+EAGLE_NAMES = {"fc.weight": "fc.weight", **_BLOCK_NAMES}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""What the tree builder needs from a drafter, for the Beagle drafter and the EAGLE-2 baseline (docs/method.md §7).
+"""What the tree builder needs from a drafter, one backend per drafter form of beagle/registry.py: Beagle, its
+engine form and the EAGLE-2 baseline (docs/method.md §7, §9).
 
-Both keep a cache of keys for the committed (true) positions and, while drafting, a bank of keys for drafted
+All keep a cache of keys for the committed (true) positions and, while drafting, a bank of keys for drafted
 nodes that only the node's descendants see. They differ in what a key is and how a query is formed:
 
 * Beagle: keys are projected target states; a query is the token's embedding alone. A drafted state ĥ
@@ -8,6 +9,8 @@ nodes that only the node's descendants see. They differ in what a key is and how
 * EAGLE-2: keys are fused fc([Emb(t_p), h_{p-1}]); a query fuses its token with its parent's state (true
   h_n for the root, the parent's drafted state deeper) and also sees its own fused key, which is what its
   descendants see. Feeding drafted states back is inherent to it.
+* Beagle, engine form: keys are projected fused states; a query's residual starts from its parent's state and
+  its output is the key its descendants see, as an EAGLE-3 engine drafts.
 """
 from __future__ import annotations
 
@@ -29,15 +32,19 @@ def _scored_logits(drafter: torch.nn.Module, hidden: torch.Tensor) -> torch.Tens
     return compact(hidden) if compact is not None else drafter.logits(hidden)
 
 
-class BeagleBackend:
-    def __init__(self, drafter: torch.nn.Module, concatenate: bool) -> None:
+class _CachedBackend:
+    """What every backend shares: the drafter, its cache of keys for the committed positions, the scored
+    columns, and the logits over them."""
+
+    concatenate = True
+
+    def __init__(self, drafter: torch.nn.Module, cache) -> None:
         self.drafter = drafter
-        self.cache = DraftKeyCache(drafter)
-        self.concatenate = concatenate
+        self.cache = cache
         self.token_ids = scored_columns(drafter)
 
     def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """True states `[L, d]` of the tokens `[L]` at `positions` `[L]`, as the target produced them."""
+        """True states `[L, n_layers * d]` of the tokens `[L]` at `positions` `[L]`, as the target produced them."""
         self.cache.append(states, positions)
 
     def keys(self) -> torch.Tensor:
@@ -45,6 +52,16 @@ class BeagleBackend:
 
     def values(self) -> torch.Tensor:
         return self.cache.values
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[B, q, N]` over the columns `token_ids` names (all V when it is None)."""
+        return _scored_logits(self.drafter, hidden)
+
+
+class BeagleBackend(_CachedBackend):
+    def __init__(self, drafter: torch.nn.Module, concatenate: bool) -> None:
+        super().__init__(drafter, DraftKeyCache(drafter))
+        self.concatenate = concatenate
 
     def root_parent_states(self) -> torch.Tensor | None:
         return None
@@ -55,20 +72,12 @@ class BeagleBackend:
         bank = self.drafter.project_keys(hidden, positions) if need_bank and self.concatenate else None
         return hidden, bank
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[B, q, N]` over the columns `token_ids` names (all V when it is None)."""
-        return _scored_logits(self.drafter, hidden)
 
-
-class Eagle2Backend:
-    concatenate = True
-
+class Eagle2Backend(_CachedBackend):
     def __init__(self, drafter: torch.nn.Module, concatenate: bool = True) -> None:
         from beagle.eagle2 import Eagle2KeyCache
 
-        self.drafter = drafter
-        self.cache = Eagle2KeyCache(drafter)
-        self.token_ids = scored_columns(drafter)
+        super().__init__(drafter, Eagle2KeyCache(drafter))
 
     def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         self.cache.append(states, positions, tokens)
@@ -92,33 +101,16 @@ class Eagle2Backend:
                                                                keys, values, mask)
         return hidden, (own_keys.to(keys.dtype), own_values.to(values.dtype))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[B, q, N]` over the columns `token_ids` names (all V when it is None)."""
-        return _scored_logits(self.drafter, hidden)
 
-
-class StateBeagleBackend:
+class StateBeagleBackend(_CachedBackend):
     """The engine-form Beagle (docs/method.md §9): keys are projected fused states; a query's residual starts
     from its parent's state (the last true state for the root, the parent's output deeper), and every drafted
     output is a key for the node's descendants, as an EAGLE-3 engine drafts it (so always concatenated)."""
 
-    concatenate = True
-
     def __init__(self, drafter: torch.nn.Module, concatenate: bool = True) -> None:
         from beagle.state_beagle import StateKeyCache
 
-        self.drafter = drafter
-        self.cache = StateKeyCache(drafter)
-        self.token_ids = scored_columns(drafter)
-
-    def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.cache.append(states, positions)
-
-    def keys(self) -> torch.Tensor:
-        return self.cache.keys
-
-    def values(self) -> torch.Tensor:
-        return self.cache.values
+        super().__init__(drafter, StateKeyCache(drafter))
 
     def root_parent_states(self) -> torch.Tensor:
         return self.cache.last_state[None, None]  # [1, 1, d]: s_n, the root query's residual
@@ -127,9 +119,6 @@ class StateBeagleBackend:
         hidden = self.drafter.forward_hidden(tokens, positions, keys, values, mask, parent_states)  # [1, q, d]
         bank = self.drafter.project_keys(hidden, positions) if need_bank else None
         return hidden, bank
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _scored_logits(self.drafter, hidden)
 
 
 def draft_backend(drafter: torch.nn.Module, concatenate: bool = True):
