@@ -53,12 +53,12 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--data", multiple=True, required=True, type=click.Path(),
               help="Input: .jsonl, .json (array), .parquet or a datasets save_to_disk directory. Repeatable.")
 @click.option("--out", required=True, help="Store to write: a local path or an fsspec URL.")
-@click.option("--layers", default="-2,-1", callback=_layers, show_default=True,
+@click.option("--layers", default="-1", callback=_layers, show_default=True,
               help="Hidden-state layers to store (HF hidden_states index i = the residual stream entering decoder "
                    "layer i, 0 = embeddings; -1 = after the final norm, what the LM head reads; -2 = the last "
-                   "layer's input). The default serves both Beagle forms: -1 alone trains the paper's form only, "
-                   "and the engine form (train --residual state, export --format eagle3) keys on -2; each layer "
-                   "costs d x 2 bytes per token in bf16 (docs/engine-export.md). Comma-separated.")
+                   "layer's input). -1 trains the paper's Beagle form; the engine form (train --residual state, "
+                   "export --format eagle3) also needs a layer it keys on: -2,-1 serves both. Each layer costs "
+                   "d x 2 bytes per token in bf16. Comma-separated.")
 @click.option("--max-length", default=2048, show_default=True, help="Truncate samples at this many tokens.")
 @click.option("--dtype", default="bfloat16", show_default=True,
               type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
