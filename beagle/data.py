@@ -139,10 +139,14 @@ class StoreSet:
         raise ValueError(f"{url} captured layers {layers} but not -1 (the state the LM head reads); "
                          "re-extract with the default capture")
 
+    def _common_layers(self) -> set[int]:
+        """The layers every store captured."""
+        return set.intersection(*[set(s.layers) for s in self.stores])
+
     def _fusable_layers(self) -> tuple[int, ...]:
         """The layers every store captured, in depth order with -1 (after the final norm) last."""
         captured = [set(s.layers) for s in self.stores]
-        common = set.intersection(*captured)
+        common = self._common_layers()
         if any(c != common for c in captured):
             raise ValueError(f"the stores captured different layers ({[sorted(c) for c in captured]}); fused keys "
                              "need the same layers in every store")
@@ -154,7 +158,7 @@ class StoreSet:
     def _aux_layers(self) -> tuple[int, ...]:
         """The residual-stream layers (0..n-1, not -1) every store captured, ascending: the keys of a
         state-residual drafter (docs/method.md §9), the layers an engine hands an EAGLE-3 drafter."""
-        common = set.intersection(*[set(s.layers) for s in self.stores]) - {-1}
+        common = self._common_layers() - {-1}
         if not common:
             raise ValueError(f"{self.urls[0]} captured only layer(s) {sorted(self.stores[0].layers)}; a state-residual "
                              "drafter reads the residual stream entering decoder layers: re-extract with e.g. "

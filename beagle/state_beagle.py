@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from beagle.block import RMSNorm, add_block_layers, attend_and_mix, project_kv, rotate_queries
+from beagle.decoding.kv_cache import DraftKeyCache
 from beagle.model import DrafterConfig, LayerFusion, register_frozen_head
 
 DRAFTER_TYPE = "beagle-state"
@@ -92,23 +93,15 @@ class StateBeagleDrafter(nn.Module):
         return self.head_input(hidden) @ self.lm_head.to(hidden.dtype).T
 
 
-class StateKeyCache:
-    """The engine-form drafter's cache at decoding time: keys of the committed positions' fused states, and
-    the last of those states, which the next root query starts its residual from."""
+class StateKeyCache(DraftKeyCache):
+    """The engine-form drafter's cache at decoding time: the projected keys of the committed positions' fused
+    states (`DraftKeyCache`), and the last of those states, which the next root query starts its residual from."""
 
     def __init__(self, drafter: nn.Module) -> None:
-        self._drafter = drafter
-        self.keys: Tensor | None = None        # [1, H_kv, n, hd]
-        self.values: Tensor | None = None
+        super().__init__(drafter)
         self.last_state: Tensor | None = None  # [d]
-
-    def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
 
     def append(self, states: Tensor, positions: Tensor) -> None:
         """True key-layer states [L, n_layers * d] at positions [L], as the target produced them."""
-        fused = self._drafter.fuse_true_states(states)                              # [L, d]
-        k, v = self._drafter.project_keys(fused[None], positions[None])
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
-        self.last_state = fused[-1]
+        super().append(states, positions)
+        self.last_state = self._drafter.fuse_true_states(states[-1:])[0]
