@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from beagle.store_tensors import open_store
 from pipeline.cli import main as cli_main
 from pipeline.store import StoreFormatError, verify_store
+from tests.small_fs import mounted_small_tmpfs
 from tests.test_store import build, make_samples
 
 TABLE = "shards/shard-00001/samples.arrow"
@@ -302,18 +303,7 @@ def test_structure_is_checked_not_just_checksums(trainable, tmp_path, damage):
 @pytest.fixture
 def small_filesystem(tmp_path):
     """A real size-limited filesystem (tmpfs), which needs mount privileges (root in the CI container)."""
-    import subprocess
-
-    where = tmp_path / "small-fs"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the test needs root")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+    yield from mounted_small_tmpfs(tmp_path / "small-fs")
 
 
 def test_a_full_disk_during_merge_is_one_line_and_info_names_the_merge_to_rerun(tmp_path, small_filesystem):

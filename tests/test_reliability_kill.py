@@ -25,6 +25,7 @@ from click.testing import CliRunner
 from beagle.store_tensors import open_store
 from pipeline.store import committed_shards, verify_store
 from tests.local_ray import local_ray
+from tests.small_fs import mounted_small_tmpfs
 from tests.tiny import build_target
 from tests.tiny_store import build_tiny_store
 
@@ -484,16 +485,7 @@ def test_an_all_rejected_input_leaves_nothing_that_blocks_the_corrected_rerun(ra
 @pytest.fixture
 def small_filesystem(job):
     """A real size-limited filesystem (tmpfs), which needs mount privileges (root in the CI container)."""
-    where = job["root"] / f"small-fs-{os.getpid()}-{random.randrange(1 << 30)}"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); the test needs root")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+    yield from mounted_small_tmpfs(job["root"] / f"small-fs-{os.getpid()}-{random.randrange(1 << 30)}")
 
 
 def test_a_full_disk_inside_a_forward_actor_stops_the_job_then_the_rerun_completes(ray_address, job, clean_store,
