@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from beagle.block import RMSNorm, add_block_layers, attend_and_mix, project_kv, rotate_queries
-from beagle.decoding.kv_cache import DraftKeyCache
 from beagle.model import DrafterConfig, LayerFusion, register_frozen_head
 
 DRAFTER_TYPE = "beagle-state"
@@ -91,17 +90,3 @@ class StateBeagleDrafter(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """Outputs [B, Lq, d] -> logits [B, Lq, V] through the target's frozen LM head."""
         return self.head_input(hidden) @ self.lm_head.to(hidden.dtype).T
-
-
-class StateKeyCache(DraftKeyCache):
-    """The engine-form drafter's cache at decoding time: the projected keys of the committed positions' fused
-    states (`DraftKeyCache`), and the last of those states, which the next root query starts its residual from."""
-
-    def __init__(self, drafter: nn.Module) -> None:
-        super().__init__(drafter)
-        self.last_state: Tensor | None = None  # [d]
-
-    def append(self, states: Tensor, positions: Tensor) -> None:
-        """True key-layer states [L, n_layers * d] at positions [L], as the target produced them."""
-        super().append(states, positions)
-        self.last_state = self._drafter.fuse_true_states(states[-1:])[0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from beagle.decoding.kv_cache import DraftKeyCache
+from beagle.decoding.kv_cache import DraftKeyCache, StateKeyCache
 
 
 def scored_columns(drafter: torch.nn.Module) -> torch.Tensor | None:
@@ -108,8 +108,6 @@ class StateBeagleBackend(_CachedBackend):
     output is a key for the node's descendants, as an EAGLE-3 engine drafts it (so always concatenated)."""
 
     def __init__(self, drafter: torch.nn.Module, concatenate: bool = True) -> None:
-        from beagle.state_beagle import StateKeyCache
-
         super().__init__(drafter, StateKeyCache(drafter))
 
     def root_parent_states(self) -> torch.Tensor:

@@ -58,3 +58,18 @@ class DraftKeyCache:
         else:
             self.keys = torch.cat([self.keys, keys], dim=-2)
             self.values = torch.cat([self.values, values], dim=-2)
+
+
+class StateKeyCache(DraftKeyCache):
+    """The engine-form drafter's cache (beagle/state_beagle.py) at decoding time: the projected keys of the
+    committed positions' fused states (`DraftKeyCache`), and the last of those states, which the next root
+    query starts its residual from."""
+
+    def __init__(self, drafter: torch.nn.Module) -> None:
+        super().__init__(drafter)
+        self.last_state: torch.Tensor | None = None  # [d]
+
+    def append(self, states: torch.Tensor, positions: torch.Tensor) -> None:
+        """True key-layer states [L, n_layers * d] at positions [L], as the target produced them."""
+        super().append(states, positions)
+        self.last_state = self._drafter.fuse_true_states(states[-1:])[0]
