@@ -18,6 +18,8 @@ setup(
         "zarr>=3.0,<4",
         "google-crc32c>=1.5",  # zarr's own crc32c; the raw shard writer computes the same index checksum
         "numpy>=1.26",
+        "blake3>=1.0",  # the store's file checksums (cryptographic, ~5 GB/s a core; sha256 ~1.2)
+        "ml_dtypes>=0.5",  # numpy's bfloat16 and float8_e4m3fn: stored states come back typed
         "fsspec>=2024.2",
         "ray[data]>=2.30",
         "click>=8.1",
