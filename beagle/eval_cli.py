@@ -47,7 +47,7 @@ def plot_acceptance(per_depth: list[float | None], path: Path, title: str) -> No
 
 def _check_stores(stores: list[str]) -> None:
     """Refuse a damaged or foreign store before counting tokens in it: identity and file sizes at open,
-    and the sha256 of every sample table (the only part of a store eval reads)."""
+    and the checksum of every sample table (the only part of a store eval reads)."""
     from pipeline.store import open_store
 
     for url in stores:

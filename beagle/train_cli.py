@@ -92,7 +92,7 @@ def _layer_list(value: str | None) -> tuple[int, ...] | None:
               help="Local folder caching the files read from remote (fsspec URL) stores.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--verify-store/--no-verify-store", default=True,
-              help="Check each store file's sha256 on first read; refuse a damaged store. [on]")
+              help="Check each store file's checksum on first read; refuse a damaged store. [on]")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume: bool, progress: bool,
           cache_dir: str | None, verify_store: bool, **flags: Any) -> None:

@@ -30,7 +30,7 @@ from bench.common import ROOT, machine, record, require_demo  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TARGETS = "P1 ≥ 0.95; P2 ≤ 1.01 bf16, ≤ 0.90 zstd, fp8 ≤ 0.52 with τ within 3%; P3 ≥ 0.5; P4 ≤ 1.15; P5 ≥ 1.0; " \
-          "P6 ≥ 2.0; P7 ≥ 1.8; P8 ≥ 0.8 disk, ≥ 0.6 tmpfs; P9 ≥ 2.0; P11 ≥ 0.8; " \
+          "P6 ≥ 2.0; P7 ≥ 1.8; P8 ≥ 0.8 disk and tmpfs; P9 ≥ 2.0; P11 ≥ 0.8; " \
           "P12 ≥ 1.0"
 
 
@@ -63,13 +63,13 @@ def p8(work: Path, quick: bool) -> list[dict]:
          str(work / "p8"), "--json", str(work / "p8.json")], work / "p8.log")
     records = []
     for r in json.loads((work / "p8.json").read_text()):
-        target = 0.6 if r["filesystem"] == "tmpfs" else 0.8
+        hash_name, hash_rate = r.get("hash", "sha256"), r.get("hash_gb_s", r.get("sha256_gb_s"))
         records.append(record("P8", f"write_shard ÷ raw fsync'd write, {r['filesystem']}, d={r['width']}", r["ratio"],
-                              target, ">=", f"{r['shard_gb_s']:.2f} vs {r['raw_gb_s']:.2f} GB/s; sha256 alone "
-                              f"{r['sha256_gb_s']:.2f} GB/s, hash ceiling {r['hash_ceiling']:.2f}",
+                              0.8, ">=", f"{r['shard_gb_s']:.2f} vs {r['raw_gb_s']:.2f} GB/s; {hash_name} alone "
+                              f"{hash_rate:.2f} GB/s, hash ceiling {r['hash_ceiling']:.2f}",
                               {"tokens": r["tokens"], "GB": round(r["gb"], 2), "dtype": "bfloat16 (synthetic states)"},
-                              why=f"one core hashes these bytes at {r['sha256_gb_s']:.2f} GB/s: a writer that "
-                                  f"sha256s every file, one stream per file, cannot pass {r['hash_ceiling']:.2f}"))
+                              why=f"one core hashes these bytes at {hash_rate:.2f} GB/s ({hash_name}), a ceiling of "
+                                  f"{r['hash_ceiling']:.2f}; the rest is the writer's copies and fsync"))
     return records
 
 
@@ -82,7 +82,7 @@ def p12(work: Path, quick: bool) -> list[dict]:
                    f"GB/s per actor, raw write {r['raw_gb_per_s']:.2f} GB/s (job {r['job_tokens_per_s']:,.0f} "
                    "tokens/s with actor start)",
                    {"tokens": r["tokens"], "actors": r["actors"], "dtype": "bfloat16", "forward": "random states"},
-                   why="sha256 of every byte (one core per layer file; 2 cores here) and copies"
+                   why="the checksum of every byte (BLAKE3, one core per layer file; 2 cores here) and copies"
                        + (" and this VM's disk, whose sustained fsync'd writes vary 0.4-1.7 GB/s; tmpfs shows the "
                           "code's own ceiling" if r["filesystem"] != "tmpfs" else ""))
             for r in json.loads((work / "p12.json").read_text())]

@@ -21,6 +21,7 @@ from pipeline.extract.inputs import Record
 from pipeline.extract.pipeline import ExtractConfig, run_extract
 from beagle.store_tensors import open_store
 from pipeline.store import StoreConflictError, committed_shards, verify_store
+from pipeline.store.hashing import entry_checksum
 from tests.local_ray import local_ray
 from tests.tiny import build_target
 
@@ -70,7 +71,7 @@ def _config(workspace, out, **overrides):
 
 
 def _shard_checksums(url):
-    return {rel: meta["sha256"] for shard in open_store(url).manifest["shards"] for rel, meta in shard["files"].items()}
+    return {rel: entry_checksum(meta) for shard in open_store(url).manifest["shards"] for rel, meta in shard["files"].items()}
 
 
 def test_two_workers_store_what_a_direct_forward_computes(ray_address, workspace):

@@ -67,12 +67,12 @@ def _damage(pristine, tmp_path, kind: str) -> tuple[Path, str]:
         data = bytearray((store / HIDDEN).read_bytes())
         data[100] ^= 0x01
         (store / HIDDEN).write_bytes(bytes(data))
-        return store, f"{HIDDEN}: sha256 mismatch"
+        return store, f"{HIDDEN}: blake3 mismatch"
     if kind == "flipped_byte_table":
         data = bytearray((store / TABLE).read_bytes())
         data[len(data) // 2] ^= 0x10
         (store / TABLE).write_bytes(bytes(data))
-        return store, f"{TABLE}: sha256 mismatch"
+        return store, f"{TABLE}: blake3 mismatch"
     if kind == "truncated":
         (store / HIDDEN).write_bytes((store / HIDDEN).read_bytes()[:-9])
         return store, f"{HIDDEN}: "
@@ -200,7 +200,7 @@ def test_head_that_is_not_safetensors_is_refused_by_the_plain_reader(pristine, t
     (store / "head.safetensors").write_bytes(_pickle_bomb(marker, (store / "head.safetensors").stat().st_size))
     with pytest.raises(StoreFormatError, match="head.safetensors is not a valid safetensors file"):
         open_store(str(store)).load_head()
-    with pytest.raises(StoreError, match="head.safetensors: sha256 mismatch"):
+    with pytest.raises(StoreError, match="head.safetensors: blake3 mismatch"):
         open_store(str(store), verify="first-read").load_head()
     assert not marker.exists()
 

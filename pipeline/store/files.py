@@ -9,7 +9,6 @@ have no recorded size). Object stores have neither links nor FIFOs; their reads 
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -19,7 +18,7 @@ from typing import Any, BinaryIO, Iterator
 
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreFormatError
-from pipeline.store.hashing import BLOCK_BYTES
+from pipeline.store.hashing import BLOCK_BYTES, new_digest
 
 # manifest.json: about 1 KB per shard, so 256 MiB is a store of some 200,000 shards.
 MANIFEST_MAX_BYTES = 256 << 20
@@ -110,10 +109,10 @@ def _read_at_most(handle: BinaryIO, count: int) -> bytes:
     return buffer.getvalue()
 
 
-def sha256_bounded(fs: Any, root: str, relative: str, size: int) -> tuple[str, int]:
-    """(sha256, bytes read) of a store file expected to hold `size` bytes. Reads at most `size` + 1 bytes,
+def checksum_bounded(fs: Any, root: str, relative: str, size: int, algorithm: str) -> tuple[str, int]:
+    """(hex digest, bytes read) of a store file expected to hold `size` bytes. Reads at most `size` + 1 bytes,
     so a file that is longer, or never ends, costs no more than the one it should be (read > size says so)."""
-    digest = hashlib.sha256()
+    digest = new_digest(algorithm)
     read = 0
     with open_regular(fs, root, relative) as handle:
         while read <= size:

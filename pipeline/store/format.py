@@ -14,7 +14,7 @@ import fsspec
 import numpy as np
 
 from pipeline.store.errors import StoreFormatError
-from pipeline.store.hashing import update_from_stream
+from pipeline.store.hashing import DEFAULT_CHECKSUM, new_digest, update_from_stream
 
 SCHEMA_VERSION = "1.0"
 # Bump when the meaning of stored bytes changes; part of every dataset_id.
@@ -122,9 +122,10 @@ def join(root: str, *parts: str) -> str:
     return "/".join([root.rstrip("/"), *parts])
 
 
-def sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> str:
+def file_checksum(fs: fsspec.AbstractFileSystem, path: str, algorithm: str = DEFAULT_CHECKSUM) -> str:
+    """Hex digest of a file on `fs` (pipeline/store/hashing.py says which algorithms a store may name)."""
     with fs.open(path, "rb") as handle:
-        return update_from_stream(hashlib.sha256(), handle).hexdigest()
+        return update_from_stream(new_digest(algorithm), handle).hexdigest()
 
 
 def major_version(version: str) -> int:

@@ -10,7 +10,6 @@ manifest whose checksums were rewritten to match forged files is authentic (the 
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 from pipeline.store import files
 from pipeline.store import format as fmt
 from pipeline.store.errors import StoreFormatError
+from pipeline.store.hashing import bytes_checksum, entry_checksum
 
 # Modes of `open_store(verify=...)`.
 VERIFY_NONE = "none"
@@ -27,7 +27,7 @@ VERIFY_MODES = (VERIFY_NONE, VERIFY_FIRST_READ)
 
 
 def listed_files(manifest: dict) -> dict[str, dict]:
-    """Every file the manifest lists, `{relative path: {"sha256", "bytes"}}` (top-level files, then shards)."""
+    """Every file the manifest lists, `{relative path: {"bytes", ALGORITHM}}` (top-level files, then shards)."""
     files = dict(manifest["files"])
     for shard in manifest["shards"]:
         files.update(shard["files"])
@@ -113,10 +113,6 @@ def duplicate_id_problem(ids_by_shard: list[tuple[str, list[str]]]) -> str | Non
     return None
 
 
-def sha256_bytes(payload: bytes) -> str:
-    return hashlib.sha256(payload).hexdigest()
-
-
 def size_problem(relative: str, size: int | None, meta: dict) -> str | None:
     """A listed file must exist and have the size the manifest records."""
     if size is None:
@@ -134,7 +130,7 @@ def link_problem(fs: Any, root: str, relative: str) -> str | None:
 
 
 def file_problem(fs: Any, root: str, relative: str, meta: dict) -> tuple[str | None, int]:
-    """Check one listed file completely (presence, kind, size, sha256), reading at most its recorded size
+    """Check one listed file completely (presence, kind, size, checksum), reading at most its recorded size
     plus one byte. Returns (problem, bytes read)."""
     path = fmt.join(root, relative)
     problem = files.kind_problem(fs, root, relative)
@@ -144,23 +140,26 @@ def file_problem(fs: Any, root: str, relative: str, meta: dict) -> tuple[str | N
     problem = size_problem(relative, size, meta)
     if problem is None:
         try:
-            digest, read = files.sha256_bounded(fs, root, relative, meta["bytes"])
+            algorithm, recorded = entry_checksum(meta, where=relative)
+            digest, read = files.checksum_bounded(fs, root, relative, meta["bytes"], algorithm)
         except StoreFormatError as error:  # swapped for a FIFO or a link since the check above
             return str(error), 0
         except FileNotFoundError:
             return f"{relative}: missing", 0
         if read != meta["bytes"]:
             problem = f"{relative}: {read} bytes read, manifest says {meta['bytes']} (changed while read)"
-        elif digest != meta["sha256"]:
-            problem = f"{relative}: sha256 mismatch (corrupted, or copied from another store)"
+        elif digest != recorded:
+            problem = f"{relative}: {algorithm} mismatch (corrupted, or copied from another store)"
     return problem, size or 0
 
 
 def bytes_problem(relative: str, payload: bytes, meta: dict) -> str | None:
     """Check bytes already read into memory against their manifest entry (no second read)."""
     problem = size_problem(relative, len(payload), meta)
-    if problem is None and sha256_bytes(payload) != meta["sha256"]:
-        problem = f"{relative}: sha256 mismatch (corrupted, or copied from another store)"
+    if problem is None:
+        algorithm, recorded = entry_checksum(meta, where=relative)
+        if bytes_checksum(payload, algorithm) != recorded:
+            problem = f"{relative}: {algorithm} mismatch (corrupted, or copied from another store)"
     return problem
 
 

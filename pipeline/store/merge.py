@@ -63,7 +63,7 @@ def merge_stores(urls: list[str], out: str, *, overwrite: bool = False, samples_
     """Merge `urls` into a new store at `out`; returns its manifest. Resumable like extraction."""
     if len(urls) < 2:
         raise ValueError("merge needs at least two stores")
-    # Inputs are verified as they are read (each file's sha256 before its first use): a merge rehashes
+    # Inputs are verified as they are read (each file's checksum before its first use): a merge rehashes
     # everything it writes, so a damaged input read without checking would come out as a store that verifies.
     stores = [open_store(url, verify="first-read") for url in urls]
     check_compatible(stores)
@@ -90,7 +90,7 @@ def merge_stores(urls: list[str], out: str, *, overwrite: bool = False, samples_
                 batch = []
         if batch:
             shards.append(_write_or_reuse(out, len(shards), batch, reference, done))
-        write_head_bytes(out, stores[0].head_bytes())  # checked against its sha256; written atomically
+        write_head_bytes(out, stores[0].head_bytes())  # checked against its checksum; written atomically
         rejects, rejected = _gather_rejects(stores)
         if rejects:
             write_rejects(out, rejects)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def reopen_if_damaged(url: str, fs: Any, root: str, manifest: dict, command: str) -> bool:
     """A complete store of the same inputs is kept only if every file it lists still has its recorded size
-    and sha256 (one read of the whole store, at hashing speed). Else it is made unfinished again, so the
+    and checksum (one read of the whole store, at hashing speed). Else it is made unfinished again, so the
     build redoes what is damaged: the pending marker first, then the damaged shards and top-level files
     are deleted, the manifest last (a crash in between leaves a manifest that the next run checks again).
     Returns whether it was reopened."""

@@ -7,7 +7,8 @@ fix. No pickle anywhere: tables are Arrow, hidden states Zarr, weights safetenso
 `open_store(url, verify="first-read")` (what the trainer uses) also checks the manifest's identity at
 open and hashes each file the first time it is read, before any of its bytes are returned: a corrupted,
 truncated or foreign file raises StoreIntegrityError naming it. Training reads every byte in its first
-epoch anyway, so this costs one sha256 pass over data that is being read, not a second read of the store.
+epoch anyway, so this costs one checksum pass (BLAKE3, or sha256 for older stores) over data that is being
+read, not a second read of the store.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pipeline.store import format as fmt
 from pipeline.store import fp8
 from pipeline.store import integrity
 from pipeline.store.errors import StoreError, StoreFormatError, StoreNotFoundError
+from pipeline.store.hashing import has_valid_checksum
 from pipeline.store.zarr_io import map_hidden_array, zarr_store
 
 log = logging.getLogger(__name__)
@@ -317,7 +319,7 @@ class FeatureStore:
 
     def head_bytes(self) -> bytes:
         """The bytes of `head.safetensors` (the frozen `embed_tokens` and `lm_head`, each [V, d]), checked
-        against the manifest's sha256 when the store was opened with verify; parse with safetensors."""
+        against the manifest's checksum when the store was opened with verify; parse with safetensors."""
         payload = files.read_bounded(self.fs, self.root, fmt.HEAD, self.manifest["files"][fmt.HEAD]["bytes"])
         if self.verify != integrity.VERIFY_NONE:
             integrity.raise_first([integrity.bytes_problem(fmt.HEAD, payload, self.manifest["files"][fmt.HEAD])],
@@ -331,7 +333,7 @@ def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = No
 
     cache_dir: for a remote store, a local folder that caches the blocks read (ignored for local stores).
     verify: "none" (listed files present with the right size, if check_files), or "first-read": also the
-    manifest's identity at open, and each file's sha256 the first time it is read (StoreIntegrityError).
+    manifest's identity at open, and each file's checksum the first time it is read (StoreIntegrityError).
     verify_share: (rank, world) of a data-parallel job: hash only the shards with index mod world == rank.
     """
     return FeatureStore(url, check_files=check_files, cache_dir=cache_dir, verify=verify, verify_share=verify_share)
@@ -394,7 +396,7 @@ def _check_types(manifest: dict, path: str) -> None:
     rather than as a TypeError deep inside a read."""
     def entries_ok(files: Any) -> bool:
         return isinstance(files, dict) and all(
-            isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and _is_int(meta.get("bytes"))
+            has_valid_checksum(meta) and _is_int(meta.get("bytes"))
             for meta in files.values())
 
     ok = (isinstance(manifest["shards"], list) and isinstance(manifest["counts"], dict)

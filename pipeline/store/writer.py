@@ -25,6 +25,7 @@ from pipeline.store import format as fmt
 from pipeline.store import ownership
 from pipeline.store.errors import StoreConflictError, StoreError, StoreFormatError
 from pipeline.store.file_lock import exclusive_lock
+from pipeline.store.hashing import DEFAULT_CHECKSUM, checksum_entry, entry_checksum
 from pipeline.store.object_lock import object_store_lock
 from pipeline.store.zarr_io import (plan_raw_hidden_array, write_hidden_array, write_raw_files, write_scale_array,
                                     zarr_store)
@@ -155,7 +156,7 @@ def store_lock(url: str) -> Iterator[None]:
 
 def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *, layers: list[int],
                 dtype: str, compression: str | None = None) -> dict:
-    """Write one whole shard atomically and return its info (counts, bytes, sha256 of every file).
+    """Write one whole shard atomically and return its info (counts, bytes, checksum of every file).
 
     samples: dicts of numpy arrays: `sample_id` (str), `input_ids` [L], `loss_mask` [L], `hidden_states`
     [n_layers, L, d] in storage form (bf16 as its uint16 bit pattern; for float8_e4m3, the uint8 codes plus
@@ -195,8 +196,8 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
     files = {}
     for path in sorted(fs.find(build_dir)):
         relative = path[len(build_dir.rstrip("/")) + 1:]
-        sha256, size = hashed.get(relative) or (fmt.sha256_file(fs, path), fs.size(path))
-        files[f"{fmt.SHARDS_DIR}/{name}/{relative}"] = {"sha256": sha256, "bytes": size}
+        digest, size = hashed.get(relative) or (fmt.file_checksum(fs, path), fs.size(path))
+        files[f"{fmt.SHARDS_DIR}/{name}/{relative}"] = checksum_entry(DEFAULT_CHECKSUM, digest, size)
     info = {"name": name, "index": shard_index, **counts, "bytes": sum(f["bytes"] for f in files.values()),
             "files": files}
     atomic.write_bytes(fmt.join(build_dir, fmt.SHARD_INFO), fmt.canonical_json(info), fs=fs)
@@ -281,7 +282,7 @@ def _fp8_arrays(sample: Mapping[str, Any], label: str) -> tuple[np.ndarray, np.n
 def committed_shards(url: str, *, remove_damaged: bool = False) -> dict[int, dict]:
     """Infos of the intact shards already committed under `url` (for resuming an interrupted build).
 
-    Every file of a shard is checked against the sha256 its shard.json records (sizes alone miss a flipped
+    Every file of a shard is checked against the checksum its shard.json records (sizes alone miss a flipped
     byte). With `remove_damaged` (the build that resumes, holding the store's lock) a damaged shard is
     deleted, so that it is written again: `write_shard` keeps a shard directory it finds in place, which
     is right only for an intact one."""
@@ -306,7 +307,7 @@ def committed_shards(url: str, *, remove_damaged: bool = False) -> dict[int, dic
 
 
 def _check_committed_shard(fs: Any, root: str, shard_dir: str) -> tuple[dict | None, str | None]:
-    """(the shard's info, None) when every file it lists has its recorded size and sha256, else
+    """(the shard's info, None) when every file it lists has its recorded size and checksum, else
     (info or None, what is wrong)."""
     try:
         info = files.read_json(fs, fmt.join(shard_dir, fmt.SHARD_INFO))
@@ -319,7 +320,8 @@ def _check_committed_shard(fs: Any, root: str, shard_dir: str) -> tuple[dict | N
     for relative, meta in sorted(info["files"].items()):
         try:
             fmt.safe_relpath(relative, where=fmt.SHARD_INFO)
-            size, sha256 = int(meta["bytes"]), str(meta["sha256"])
+            size = int(meta["bytes"])
+            algorithm, recorded = entry_checksum(meta, where=fmt.SHARD_INFO)
         except (StoreFormatError, KeyError, TypeError, ValueError):
             return None, f"its {fmt.SHARD_INFO} lists {relative!r} wrongly"
         path = fmt.join(root, relative)
@@ -330,9 +332,9 @@ def _check_committed_shard(fs: Any, root: str, shard_dir: str) -> tuple[dict | N
             return info, f"{relative} is missing"
         if fs.size(path) != size:
             return info, f"{relative} has {fs.size(path)} bytes, {size} recorded"
-        digest, read = files.sha256_bounded(fs, root, relative, size)
-        if read != size or digest != sha256:
-            return info, f"{relative} does not match its recorded sha256"
+        digest, read = files.checksum_bounded(fs, root, relative, size, algorithm)
+        if read != size or digest != recorded:
+            return info, f"{relative} does not match its recorded {algorithm}"
     return info, None
 
 
@@ -434,7 +436,7 @@ def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 def _file_entry(fs: Any, root: str, relative: str) -> dict:
     path = fmt.join(root, relative)
-    return {"sha256": fmt.sha256_file(fs, path), "bytes": fs.size(path)}
+    return checksum_entry(DEFAULT_CHECKSUM, fmt.file_checksum(fs, path), fs.size(path))
 
 
 def _remove_leftovers(fs: Any, root: str) -> None:

@@ -19,6 +19,7 @@ import zarr
 import zarr.storage
 
 from pipeline.store.format import is_local
+from pipeline.store.hashing import DEFAULT_CHECKSUM, new_digest
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +112,9 @@ def plan_raw_hidden_array(store: Any, directory: str, name: str, parts: Sequence
 
 
 def write_raw_files(files: Sequence[RawFile]) -> dict[str, tuple[str, int]]:
-    """Write and hash planned files, several at once (one per core at most): one file's sha256 is a serial
-    stream that one core computes at ~1.2-1.7 GB/s here, so the files of a shard's layers are hashed side by
-    side rather than one after another. Returns {relative path: (sha256 hex, bytes)}."""
+    """Write and hash planned files, several at once (one per core at most), so that one shard's layer
+    files reach the disk side by side. Returns {relative path: (hex digest, bytes)}, the digest in the
+    store's checksum algorithm (pipeline/store/hashing.py: BLAKE3 for new stores)."""
     from concurrent.futures import ThreadPoolExecutor
 
     if len(files) <= 1:
@@ -124,15 +125,15 @@ def write_raw_files(files: Sequence[RawFile]) -> dict[str, tuple[str, int]]:
         return {relative: future.result() for relative, future in results}
 
 
-def write_hashed(path: str, buffers: Sequence[Any]) -> tuple[str, int]:
-    """Write `buffers` to `path` in order while one other thread feeds them to sha256 (both release the GIL
-    on large buffers); (sha256 hex, bytes). The data is synced as soon as it is written, while the hash
-    catches up: the disk then works during the hash instead of after it, and the shard's commit, which
-    fsyncs its whole directory, finds this file already on disk."""
-    import hashlib
+def write_hashed(path: str, buffers: Sequence[Any], algorithm: str = DEFAULT_CHECKSUM) -> tuple[str, int]:
+    """Write `buffers` to `path` in order while one other thread feeds them to the digest (both release the
+    GIL on large buffers): the file is hashed on the pass that writes it, never read back. (hex digest,
+    bytes). The data is synced as soon as it is written, while the hash catches up: the disk then works
+    during the hash instead of after it, and the shard's commit, which fsyncs its whole directory, finds
+    this file already on disk."""
     from concurrent.futures import ThreadPoolExecutor
 
-    digest = hashlib.sha256()
+    digest = new_digest(algorithm)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-hash") as hasher, open(path, "wb") as handle:
         for buffer in buffers:
             hasher.submit(digest.update, buffer)  # one worker: updates run in submission order
