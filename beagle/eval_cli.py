@@ -94,6 +94,9 @@ def _check_stores(stores: list[str]) -> None:
                    "their sha256), e.g. on a fine-tune of that target. Outputs stay the target's own (verification "
                    "decides every token); the risk is speed: a drafter trained on other states may be accepted "
                    "rarely, and its τ and speedup then describe the mismatch, not the drafter.")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Run the model code shipped in --model's folder (a target that `extract --trust-remote-code` "
+                   "read). Off by default: that code runs with your permissions.")
 @click.option("--no-concat", is_flag=True, help="Drafted states are not fed back as keys (docs/method.md §5.2).")
 @click.option("--strict/--no-strict", default=None,
               help="Greedy: exit 1 when any answer differs from plain decoding. [on in float32; off in bfloat16 "
@@ -102,7 +105,8 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
              temperature, min_confidence, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
-             draft_vocab_store, allow_other_target_weights, no_concat, strict, no_progress) -> None:
+             draft_vocab_store, allow_other_target_weights, trust_remote_code, no_concat, strict,
+             no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
 
     Prints τ (tokens per target pass), acceptance per depth, tokens/s of both, the speedup and peak
@@ -118,6 +122,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     from beagle.devices import pick_device
     from beagle.decoding.tree import DraftConfig
     from beagle.prompts import eos_token_ids, load_prompts
+    from beagle.target_model import TargetSpec
     from pipeline.store import StoreError
 
     try:
@@ -129,7 +134,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         items = load_prompts(prompts_path, limit)
         torch_device = pick_device(device)
         torch.manual_seed(seed)
-        model, tokenizer = load_target(model_path, dtype, torch_device)
+        model, tokenizer = load_target(TargetSpec(model_path, dtype, trust_remote_code), device=torch_device)
         drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device,
                                          allow_other_weights=allow_other_target_weights)
         eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))

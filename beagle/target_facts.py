@@ -205,4 +205,7 @@ def _config_problem(root: Path, error: Exception) -> str:
     if "does not recognize this architecture" in first_line or "Unrecognized" in first_line:
         return (f"model_type {model_type!r} is unknown to transformers {__version__}; upgrade transformers, "
                 "or pass --trust-remote-code for a model that ships its own code")
+    if "custom code" in first_line or "trust_remote_code" in first_line:
+        return (f"model_type {model_type!r} is defined by code shipped in the folder (auto_map), which runs only "
+                "with --trust-remote-code; read that code, then pass the flag if you trust it")
     return f"transformers cannot read config.json ({first_line})"

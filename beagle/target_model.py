@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,27 @@ log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 SAFE_WEIGHTS_ONLY_TORCH = (2, 6)  # the weights_only unpickler is safe from this version on
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Everything that says how a command opens a user's target, in one value: where its local folder is,
+    in which dtype it runs, whether the model code shipped in its folder may run (`trust_remote_code`, off
+    unless the user says so), and how to place it (`device_map`, accelerate's, for a target too big for
+    one device). `extract`, `regenerate` and `eval` take their `--model`, `--dtype`, `--trust-remote-code`
+    and `--device-map` flags into one of these."""
+
+    path: str
+    dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    device_map: str | None = None
+
+    def load_model(self, device: torch.device) -> Any:
+        return load_causal_lm(self.path, dtype=self.dtype, device=device, trust_remote_code=self.trust_remote_code,
+                              device_map=self.device_map)
+
+    def load_tokenizer(self) -> Any:
+        return load_tokenizer(self.path, trust_remote_code=self.trust_remote_code)
 
 
 def torch_version() -> tuple[int, int]:

@@ -206,3 +206,33 @@ def test_differing_greedy_answers_fail_in_float32_and_are_reported_in_half_preci
         assert "differs prompt 81 turn 1" in output.err
     _report_greedy_equality(SimpleNamespace(mismatches=[], answers_compared=5), dtype, strict)
     assert "outputs match plain greedy decoding token for token" in capsys.readouterr().out
+
+
+def test_eval_runs_a_target_that_ships_its_own_code_only_with_trust_remote_code(setup, tmp_path):
+    """A target whose model_type only its own code knows (auto_map -> custom.py, which leaves a marker when
+    imported): `eval` refuses it, naming --trust-remote-code, without running that code; with the flag the
+    code runs and the drafter decodes it exactly as plain decoding does."""
+    import shutil
+
+    root, prompts, _ = setup
+    target = tmp_path / "custom-target"
+    shutil.copytree(root / "target", target)
+    marker = tmp_path / "executed"
+    (target / "custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class CustomConfig(LlamaConfig):\n    model_type = 'custom-llama'\n"
+        "class CustomModel(LlamaForCausalLM):\n    config_class = CustomConfig\n")
+    config = json.loads((target / "config.json").read_text())
+    config.update(model_type="custom-llama", architectures=["CustomModel"],
+                  auto_map={"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"})
+    (target / "config.json").write_text(json.dumps(config))
+    base = ["eval", "--model", str(target), "--drafter", str(root / "run" / "drafter"), "--prompts", str(prompts),
+            "--max-new-tokens", "8", "--chain", "--depth", "2", "--limit", "1", "--no-progress"]
+
+    refused = CliRunner().invoke(main, base)
+    assert refused.exit_code != 0 and "--trust-remote-code" in refused.output, refused.output
+    assert not marker.exists()
+    result = CliRunner().invoke(main, base + ["--trust-remote-code"])
+    assert result.exit_code == 0, result.output
+    assert marker.exists() and "outputs match plain greedy decoding" in result.output

@@ -12,22 +12,27 @@ from beagle.decoding.verify import check_supported
 from beagle.devices import torch_dtype
 from beagle.export import CONFIG_NAME, load_drafter
 from beagle.target_facts import facts_from_config, read_target_facts
-from beagle.target_model import check_weights_match, load_causal_lm, load_tokenizer, weights_sha256
+from beagle.target_model import TargetSpec, check_weights_match, weights_sha256
 
 logger = logging.getLogger(__name__)
 
 
-def load_target(model_path: str | Path, dtype: str, device: torch.device):
-    """The target causal LM and its tokenizer, from a local directory (never the hub at eval time)."""
-    path = Path(model_path)
+def load_target(target: TargetSpec | str | Path, dtype: str | None = None, device: torch.device | None = None):
+    """The target causal LM and its tokenizer, from a local directory (never the hub at eval time).
+
+    `target`: a TargetSpec, or a folder with `dtype` (then no remote code runs)."""
+    spec = target if isinstance(target, TargetSpec) else TargetSpec(str(target), dtype or "float32")
+    device = device if device is not None else torch.device("cpu")
+    path = Path(spec.path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'} not found; --model must be a local HF model directory")
-    facts = read_target_facts(path)  # an unknown model_type is refused here, before any weight is read
+    # an unknown model_type is refused here, before any weight is read
+    facts = read_target_facts(path, trust_remote_code=spec.trust_remote_code)
     logger.info("target %s (%s): %d layers, width %d, vocabulary %d", path, facts.model_type,
                 facts.num_hidden_layers, facts.hidden_size, facts.vocab_size)
     check_weights_match(path, facts.hidden_size, facts.vocab_size, facts.num_hidden_layers)
-    tokenizer = load_tokenizer(path)
-    model = load_causal_lm(path, dtype=dtype, device=device)
+    tokenizer = spec.load_tokenizer()
+    model = spec.load_model(device)
     check_supported(model)
     return model, tokenizer
 
