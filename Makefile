@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: test test-fast install demo demo-smoke demo-cache bench bench-quick clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py pipeline/dependency_floors.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"

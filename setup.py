@@ -1,4 +1,6 @@
 """beagle-pipeline: train Beagle speculative-decoding drafters from stored LLM features."""
+import runpy
+
 from setuptools import find_packages, setup
 
 setup(
@@ -9,24 +11,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",  # tomllib for --config TOML files
     packages=find_packages(include=["pipeline", "pipeline.*", "beagle", "beagle.*", "jobs", "jobs.*"]),
-    install_requires=[
-        # torch is a runtime requirement as a range; the dev/CI path pins the CPU build (see Makefile).
-        "torch>=2.3",
-        "transformers>=4.45",
-        "datasets>=2.20",
-        "pyarrow>=15",
-        "zarr>=3.0,<4",
-        "google-crc32c>=1.5",  # zarr's own crc32c; the raw shard writer computes the same index checksum
-        "numpy>=1.26",
-        "blake3>=1.0",  # the store's file checksums (cryptographic, ~5 GB/s a core; sha256 ~1.2)
-        "ml_dtypes>=0.5",  # numpy's bfloat16 and float8_e4m3fn: stored states come back typed
-        "fsspec>=2024.2",
-        "ray[data]>=2.30",
-        "click>=8.1",
-        "safetensors>=0.4",
-        "tqdm>=4.66",
-        "matplotlib>=3.8",
-    ],
+    # The floors are said once, in pipeline/dependency_floors.py, which `import pipeline` also checks.
+    # torch is a runtime requirement as a range; the dev/CI path pins the CPU build (see Makefile).
+    install_requires=runpy.run_path("pipeline/dependency_floors.py")["requirements"](),
     extras_require={
         # moto's S3 server (on 127.0.0.1) and s3fs test the object-store path end to end.
         # import-linter: tests/test_layers.py checks the one-way layers of .importlinter.
