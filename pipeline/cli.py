@@ -20,8 +20,8 @@ _COMMANDS: dict[str, str] = {
     "verify": "pipeline.store.cli:verify",
     "merge": "pipeline.store.cli:merge",
     "train": "pipeline.train_cli:train",
-    "eval": "beagle.eval_cli:evaluate",
-    "export": "beagle.export_cli:export",
+    "eval": "pipeline.commands.eval:evaluate",
+    "export": "pipeline.commands.export:export",
 }
 
 

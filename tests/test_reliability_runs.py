@@ -49,7 +49,7 @@ def test_eval_refuses_a_target_with_other_weights_unless_told(targets):
     target, fine_tune, drafter, prompts = targets
     assert (target / "config.json").read_bytes() == (fine_tune / "config.json").read_bytes()
     result = _eval(fine_tune, drafter, prompts)
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output
     assert "was trained on a target whose weights have sha256" in result.output
     assert "--allow-other-target-weights" in result.output and "Traceback" not in result.output
     result = _eval(fine_tune, drafter, prompts, "--allow-other-target-weights")

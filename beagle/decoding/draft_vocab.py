@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from beagle.decoding.packed_linear import pack_for_decoding
+from beagle.errors import SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def _with_draft_vocabulary(drafter: nn.Module, meta: dict, size: int | None, sto
     if size:
         stores = list(stores) or list(meta.get("stores") or [])
         if not stores:
-            raise ValueError("--draft-vocab counts tokens in the training stores, and the drafter's config.json "
+            raise SettingsError("--draft-vocab counts tokens in the training stores, and the drafter's config.json "
                              "lists none: pass --draft-vocab-store STORE")
         reduced = ReducedVocabDrafter(drafter, frequent_tokens(stores, size, drafter.config.vocab_size, always=eos))
         return reduced, f"drafting over the {reduced.tokens.numel()} most frequent predicted tokens"

@@ -10,6 +10,7 @@ import torch
 
 from beagle.decoding.verify import check_supported
 from beagle.devices import torch_dtype
+from beagle.errors import InputError
 from beagle.export import CONFIG_NAME, load_drafter
 from beagle.target_facts import facts_from_config, read_target_facts
 from beagle.target_model import TargetSpec, check_weights_match, weights_sha256
@@ -54,12 +55,12 @@ def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.d
     head = model.get_output_embeddings().weight
     for key, actual in (("hidden_size", embed.shape[1]), ("vocab_size", head.shape[0])):
         if meta.get(key) is not None and int(meta[key]) != int(actual):
-            raise ValueError(f"drafter {drafter_dir} was trained for {key}={meta[key]} but the target has "
+            raise InputError(f"drafter {drafter_dir} was trained for {key}={meta[key]} but the target has "
                              f"{key}={actual}; pass the --model the drafter was trained on")
     layers = facts_from_config(model.config, where=f"--model {model.config.name_or_path}").num_hidden_layers
     deeper = [layer for layer in meta.get("key_layers", [-1]) if layer != -1 and layer >= layers]
     if deeper:
-        raise ValueError(f"drafter {drafter_dir} fuses target layers {meta['key_layers']} but the target has "
+        raise InputError(f"drafter {drafter_dir} fuses target layers {meta['key_layers']} but the target has "
                          f"{layers} layers; pass the --model the drafter was trained on")
     trained_for = (meta.get("target") or {}).get("config_sha256")
     model_config = Path(getattr(target_config, "_name_or_path", "") or "") / "config.json"
@@ -86,7 +87,7 @@ def _check_weights(drafter_dir: Path, meta: dict, model_dir: Path, allow_other_w
         return
     actual = weights_sha256(model_dir)
     if actual != trained_for:
-        raise ValueError(f"drafter {drafter_dir} was trained on a target whose weights have sha256 "
+        raise InputError(f"drafter {drafter_dir} was trained on a target whose weights have sha256 "
                          f"{trained_for[:12]}…, but --model {model_dir} has {actual[:12]}… (same shape, other "
                          "weights); pass the --model the drafter was trained on, or --allow-other-target-weights "
                          "to evaluate it anyway (outputs stay the target's own; acceptance, so speed, may be poor)")

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from beagle.errors import SettingsError
+
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -39,17 +41,17 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         if self.depth < 1:
-            raise ValueError(f"depth={self.depth}: draft at least one token (--depth >= 1)")
+            raise SettingsError(f"depth={self.depth}: draft at least one token (--depth >= 1)")
         if self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k}: expand at least one child (--top-k >= 1)")
+            raise SettingsError(f"top_k={self.top_k}: expand at least one child (--top-k >= 1)")
         if self.total_tokens < 1:
-            raise ValueError(f"total_tokens={self.total_tokens}: keep at least one node (--total-tokens >= 1)")
+            raise SettingsError(f"total_tokens={self.total_tokens}: keep at least one node (--total-tokens >= 1)")
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: use 0 for greedy or a positive value")
+            raise SettingsError(f"temperature={self.temperature}: use 0 for greedy or a positive value")
         if not 0 <= self.min_confidence <= 1:
-            raise ValueError(f"min_confidence={self.min_confidence}: a probability in [0, 1] (--min-confidence)")
+            raise SettingsError(f"min_confidence={self.min_confidence}: a probability in [0, 1] (--min-confidence)")
         if self.min_confidence > 0 and self.temperature > 0:
-            raise ValueError("--min-confidence works with --temperature 0 only: dropping drafted tokens by their "
+            raise SettingsError("--min-confidence works with --temperature 0 only: dropping drafted tokens by their "
                              "probability would bias rejection sampling")
 
     @classmethod

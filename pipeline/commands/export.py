@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from beagle.devices import DTYPES
+from pipeline.commands.errors import reports_errors
 
 SERVE_HINTS = {
     "eagle3": 'vLLM: speculative_config={{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {k}}}',
@@ -72,6 +73,7 @@ def _target(target_dir: str | None, meta: dict, run_config: dict):
                    "without it (saving V x d values); speculators 0.9.0 needs it (it leaves a missing one "
                    "uninitialised).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@reports_errors
 def export(run, fmt, out_dir, target_dir, speculative_tokens, dtype, embed_tokens, force) -> None:
     """Write the drafter of RUN (a run directory or its drafter/ folder) in a serving engine's format.
 
@@ -92,20 +94,17 @@ def export(run, fmt, out_dir, target_dir, speculative_tokens, dtype, embed_token
 
     drafter_dir, run_config = _drafter_folder(run)
     meta = json.loads((drafter_dir / "config.json").read_text(encoding="utf-8"))
-    try:
-        if fmt == "native":
-            written = export_native(drafter_dir, out_dir, replace=force)
+    if fmt == "native":
+        written = export_native(drafter_dir, out_dir, replace=force)
+    else:
+        target = _target(target_dir, meta, run_config)
+        if fmt == "eagle":
+            written = export_eagle(drafter_dir, target, out_dir, embed_tokens=embed_tokens,
+                                   dtype=torch_dtype(dtype), replace=force)
         else:
-            target = _target(target_dir, meta, run_config)
-            if fmt == "eagle":
-                written = export_eagle(drafter_dir, target, out_dir, embed_tokens=embed_tokens,
-                                       dtype=torch_dtype(dtype), replace=force)
-            else:
-                written = export_eagle3(drafter_dir, target, out_dir,
-                                        layout="speculators" if fmt == "eagle3" else "sglang",
-                                        embed_tokens=embed_tokens, speculative_tokens=speculative_tokens,
-                                        dtype=torch_dtype(dtype), replace=force)
-    except (ValueError, FileNotFoundError) as error:
-        raise click.ClickException(str(error).splitlines()[0]) from None
+            written = export_eagle3(drafter_dir, target, out_dir,
+                                    layout="speculators" if fmt == "eagle3" else "sglang",
+                                    embed_tokens=embed_tokens, speculative_tokens=speculative_tokens,
+                                    dtype=torch_dtype(dtype), replace=force)
     click.echo(f"exported {meta.get('drafter_type', 'beagle')} drafter {drafter_dir} as {fmt} to {written}")
     click.echo("  serve with " + SERVE_HINTS[fmt].format(out=written, k=speculative_tokens))

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from beagle.devices import DTYPES
+from pipeline.commands.errors import reports_errors
 
 HALF_DTYPES = ("bfloat16", "float16")  # where greedy equality is reported, not enforced (see --strict)
 
@@ -103,6 +104,7 @@ def _check_stores(stores: list[str]) -> None:
                    "and float16, where differing answers are counted and reported: half precision rounds a "
                    "one-token and a many-token pass differently]")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@reports_errors
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
              temperature, min_confidence, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
              draft_vocab_store, allow_other_target_weights, trust_remote_code, no_concat, strict,
@@ -123,28 +125,24 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     from beagle.decoding.tree import DraftConfig
     from beagle.prompts import eos_token_ids, load_prompts
     from beagle.target_model import TargetSpec
-    from pipeline.store import StoreError
 
-    try:
-        if draft_vocab:
-            _check_stores(list(draft_vocab_store))  # before loading any model: fail fast on a bad store
-        config = (DraftConfig.chain(depth, temperature, not no_concat, min_confidence) if chain else
-                  DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
-                              concatenate=not no_concat, min_confidence=min_confidence))
-        items = load_prompts(prompts_path, limit)
-        torch_device = pick_device(device)
-        torch.manual_seed(seed)
-        model, tokenizer = load_target(TargetSpec(model_path, dtype, trust_remote_code), device=torch_device)
-        drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device,
-                                         allow_other_weights=allow_other_target_weights)
-        eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
-        if draft_vocab and not draft_vocab_store:
-            _check_stores(list(meta.get("stores") or []))  # the training stores it will count tokens in
-        drafter, vocabulary_note = select_draft_vocabulary(drafter, meta, draft_vocab, list(draft_vocab_store), eos)
-        if vocabulary_note:
-            click.echo(vocabulary_note)
-    except (ValueError, FileNotFoundError, StoreError) as error:
-        raise click.UsageError(str(error)) from None
+    if draft_vocab:
+        _check_stores(list(draft_vocab_store))  # before loading any model: fail fast on a bad store
+    config = (DraftConfig.chain(depth, temperature, not no_concat, min_confidence) if chain else
+              DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
+                          concatenate=not no_concat, min_confidence=min_confidence))
+    items = load_prompts(prompts_path, limit)
+    torch_device = pick_device(device)
+    torch.manual_seed(seed)
+    model, tokenizer = load_target(TargetSpec(model_path, dtype, trust_remote_code), device=torch_device)
+    drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device,
+                                     allow_other_weights=allow_other_target_weights)
+    eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+    if draft_vocab and not draft_vocab_store:
+        _check_stores(list(meta.get("stores") or []))  # the training stores it will count tokens in
+    drafter, vocabulary_note = select_draft_vocabulary(drafter, meta, draft_vocab, list(draft_vocab_store), eos)
+    if vocabulary_note:
+        click.echo(vocabulary_note)
 
     if not eos:
         logger.warning("no EOS id in the tokenizer or generation_config; answers stop at --max-new-tokens")
