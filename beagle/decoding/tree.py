@@ -55,8 +55,10 @@ class DraftConfig:
                              "probability would bias rejection sampling")
 
     @classmethod
-    def chain(cls, depth: int = 5, temperature: float = 0.0, concatenate: bool = True,
+    def chain(cls, depth: int | None = None, temperature: float = 0.0, concatenate: bool = True,
               min_confidence: float = 0.0) -> "DraftConfig":
+        """A top-1 chain of `depth` tokens (the class's default depth when None)."""
+        depth = cls.depth if depth is None else depth
         return cls(depth=depth, top_k=1, total_tokens=depth, temperature=temperature, concatenate=concatenate,
                    min_confidence=min_confidence)
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 
 from beagle.devices import DTYPES
+from beagle.decoding.tree import DraftConfig
 from pipeline.commands.errors import reports_errors
+from pipeline.commands.options import default_option
 
 HALF_DTYPES = ("bfloat16", "float16")  # where greedy equality is reported, not enforced (see --strict)
 
@@ -65,16 +67,16 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--chain/--tree", default=False, show_default=True,
               help="Top-1 chain of --depth tokens, or the EAGLE-2 dynamic tree.")
-@click.option("--depth", default=5, show_default=True, type=click.IntRange(min=1), help="Drafter steps per round.")
-@click.option("--top-k", default=10, show_default=True, type=click.IntRange(min=1),
-              help="Tree: nodes expanded per depth, children per expanded node.")
-@click.option("--total-tokens", default=60, show_default=True, type=click.IntRange(min=1),
-              help="Tree: drafted tokens the target verifies per round.")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="0 = greedy (outputs must match plain decoding); > 0 = speculative sampling.")
-@click.option("--min-confidence", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="Greedy only: draft a token only while the drafter gives its whole path at least this "
-                   "probability (0 = the fixed-size chain/tree). Stops a weak drafter from costing time.")
+@default_option(DraftConfig, "depth", "--depth", type=click.IntRange(min=1), help="Drafter steps per round.")
+@default_option(DraftConfig, "top_k", "--top-k", type=click.IntRange(min=1),
+                help="Tree: nodes expanded per depth, children per expanded node.")
+@default_option(DraftConfig, "total_tokens", "--total-tokens", type=click.IntRange(min=1),
+                help="Tree: drafted tokens the target verifies per round.")
+@default_option(DraftConfig, "temperature", "--temperature", type=click.FloatRange(min=0.0),
+                help="0 = greedy (outputs must match plain decoding); > 0 = speculative sampling.")
+@default_option(DraftConfig, "min_confidence", "--min-confidence", type=click.FloatRange(0.0, 1.0),
+                help="Greedy only: draft a token only while the drafter gives its whole path at least this "
+                     "probability (0 = the fixed-size chain/tree). Stops a weak drafter from costing time.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Use only the first N prompts.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the summary here.")
@@ -122,7 +124,6 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     from beagle.decoding.evaluation import evaluate_prompts
     from beagle.decoding.loading import load_drafter_for, load_target
     from beagle.devices import pick_device
-    from beagle.decoding.tree import DraftConfig
     from beagle.prompts import eos_token_ids, load_prompts
     from beagle.target_model import TargetSpec
 
