@@ -1,25 +1,27 @@
 """A feature store seen through torch: samples and the frozen head as tensors, for training and eval.
 
-`pipeline.store` is the bottom layer and never imports torch: it hands out numpy arrays in their storage
-form (bf16 as the uint16 bit pattern, named by the store's `dtype`). This module is the one place that turns
-them into tensors, so every reader in `beagle` gets the same views: zero-copy on a local store's memory map.
+`pipeline.store` is the bottom layer and never imports torch: it hands out numpy arrays typed as what they
+hold (ml_dtypes.bfloat16 views of the stored bits, named by the store's `dtype`). This module is the one place
+that turns them into tensors, so every reader in `beagle` gets the same views: zero-copy on a local store's memory map.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from pipeline.store import FeatureStore, StoreFormatError
 from pipeline.store import open_store as open_feature_store
-from pipeline.store.format import HEAD
+from pipeline.store.format import HEAD, storage_view
 
 
 def as_tensor(array: Any, logical: str) -> torch.Tensor:
-    """A storage array as a tensor of its logical dtype (bf16 bits reinterpreted, never converted)."""
-    tensor = torch.from_numpy(np.asarray(array))  # zero-copy for a memmap slice
-    return tensor.view(torch.bfloat16) if logical == "bfloat16" else tensor
+    """A store array as a tensor of its logical dtype (bf16 bits reinterpreted, never converted). torch
+    cannot take ml_dtypes arrays, so they pass as their uint16 / uint8 bits: zero-copy for a memmap slice."""
+    tensor = torch.from_numpy(storage_view(array))
+    if logical == "bfloat16":
+        return tensor.view(torch.bfloat16)
+    return tensor.view(torch.float8_e4m3fn) if tensor.dtype == torch.uint8 else tensor
 
 
 def sample_tensors(store: FeatureStore, index: int) -> dict[str, Any]:

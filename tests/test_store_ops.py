@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import re
 import subprocess
@@ -18,6 +17,7 @@ from pipeline.store import StoreConflictError, verify_store
 from pipeline.store import writer as store_writer
 from pipeline.store.merge import merge_stores
 from pipeline.store.writer import store_lock
+from pipeline.store.hashing import bytes_checksum, checksum_entry
 from tests.test_store import CLI, build, make_samples
 
 
@@ -172,8 +172,8 @@ def test_verify_checks_rejected_counts_against_the_rejects_file(tmp_path):
     path = Path(url) / "rejects.jsonl"
     path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))  # one line lost, checksum redone
     payload = path.read_bytes()
-    _edit_manifest(url, lambda m: m["files"]["rejects.jsonl"].update(
-        sha256=hashlib.sha256(payload).hexdigest(), bytes=len(payload)))
+    _edit_manifest(url, lambda m: m["files"].update({"rejects.jsonl": checksum_entry(
+        "blake3", bytes_checksum(payload), len(payload))}))
     report = verify_store(url)
     assert not report.ok and any("rejects.jsonl: holds" in p for p in report.problems), report
 

@@ -11,6 +11,7 @@ import posixpath
 from typing import Any
 
 import fsspec
+import ml_dtypes
 import numpy as np
 
 from pipeline.store.errors import StoreFormatError
@@ -48,6 +49,34 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "float8_e4m3": np.dtype("u1"),  # e4m3fn codes; a float32 scale per token lives beside (see fp8.py)
 }
 LOSSY_DTYPES = {"float8_e4m3"}
+# Logical dtype -> the numpy dtype a reader is handed: the stored bytes viewed as what they are, never copied.
+# numpy has no bfloat16 or float8 of its own; ml_dtypes' are the ones JAX, TensorStore and ONNX use, so
+# `.astype(np.float32)` on a returned array converts values, not bit patterns. zarr 3.1 has no such data
+# types (docs/store-format.md), so the files keep uint16 / uint8 and an attribute naming the logical dtype.
+TYPED_DTYPES: dict[str, np.dtype] = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+    "float8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+}
+
+
+def typed_view(array: Any, logical: str) -> np.ndarray:
+    """A stored array [.., d] viewed as its logical dtype (bf16 bits as ml_dtypes.bfloat16, fp8 codes as
+    ml_dtypes.float8_e4m3fn): zero-copy, so a memory-mapped slice stays a view of the file."""
+    array = np.asarray(array)
+    want = TYPED_DTYPES[logical]
+    return array if array.dtype == want else array.view(want)
+
+
+def storage_view(array: Any) -> np.ndarray:
+    """The inverse of `typed_view`: ml_dtypes bfloat16 / float8 arrays as their uint16 / uint8 bits."""
+    array = np.asarray(array)
+    if array.dtype == TYPED_DTYPES["bfloat16"]:
+        return array.view(np.uint16)
+    if array.dtype == TYPED_DTYPES["float8_e4m3"]:
+        return array.view(np.uint8)
+    return array
 
 
 def scale_array_name(layer: int) -> str:
@@ -66,17 +95,17 @@ def storage_dtype(logical: str) -> np.dtype:
 def to_storage_array(values: np.ndarray, logical: str) -> np.ndarray:
     """Check and cast a numpy array to the exact bytes a store keeps for `logical` dtype.
 
-    bf16 must arrive as its uint16 bit pattern (numpy has no bfloat16); the torch side
+    bf16 arrives as ml_dtypes.bfloat16 or its uint16 bit pattern (viewed, not converted); the torch side
     (`pipeline.extract.store_tensors`) makes that view, so the store itself never needs torch.
     """
     if logical in LOSSY_DTYPES:
         raise StoreFormatError(f"{logical} states are encoded with their scales by the writer, not here")
-    array = np.asarray(values)
+    array = storage_view(values)
     want = storage_dtype(logical)
     if logical == "bfloat16":
         if array.dtype != np.uint16:
             raise StoreFormatError(
-                "bfloat16 hidden states must be given as the uint16 bit pattern "
+                "bfloat16 hidden states must be given as ml_dtypes.bfloat16 or its uint16 bit pattern "
                 f"(got {array.dtype}); write torch tensors through pipeline.extract.store_tensors")
         return array
     return array.astype(want, copy=False)

@@ -28,9 +28,14 @@ DECODE_TABLE = _decode_table()
 
 
 def decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """codes uint8 [L, d], scales float32 [L] -> float32 [L, d]."""
-    return DECODE_TABLE[np.asarray(codes)] * np.asarray(scales, dtype=np.float32)[:, None]
+    """codes [L, d] (uint8, or the same bytes as ml_dtypes.float8_e4m3fn), scales float32 [L] -> float32 [L, d]."""
+    return DECODE_TABLE[_code_bytes(codes)] * np.asarray(scales, dtype=np.float32)[:, None]
+
+
+def _code_bytes(codes: np.ndarray) -> np.ndarray:
+    codes = np.asarray(codes)
+    return codes if codes.dtype == np.uint8 else codes.view(np.uint8)
 
 
 def non_finite_count(codes: np.ndarray) -> int:
-    return int(np.count_nonzero((np.asarray(codes) & 0x7F) == 0x7F))
+    return int(np.count_nonzero((_code_bytes(codes) & 0x7F) == 0x7F))

@@ -179,7 +179,8 @@ class _Shard:
         input_ids, loss_mask = self.tokens_numpy(row)
         first = int(table["token_offset"][row])
         length = int(table["length"][row])
-        hidden = [array[first:first + length] for array in self.hidden]  # [L, d] views (memmap) or reads
+        # [L, d] views (memmap) or reads, typed as what they hold (ml_dtypes.bfloat16, float8_e4m3fn, ...)
+        hidden = [fmt.typed_view(array[first:first + length], self._store.dtype) for array in self.hidden]
         sample = {"sample_id": table["sample_id"][row], "input_ids": input_ids, "loss_mask": loss_mask}
         if self._store.dtype in fmt.LOSSY_DTYPES:
             scales = [layer_scales[first:first + length] for layer_scales in self.scales]  # [L] each
@@ -285,9 +286,10 @@ class FeatureStore:
         return self._shards[shard], index - self._starts[shard]
 
     def get_numpy(self, index: int, *, decode: bool = True) -> dict[str, Any]:
-        """One sample with hidden states as a list (one per layer) of [L, d] storage arrays (uint16 bit
-        patterns for bfloat16; float32 decoded values for float8_e4m3, see `dtype`). decode=False keeps
-        float8_e4m3 states as their uint8 codes, with `hidden_scales` (one [L] float32 array per layer)."""
+        """One sample with hidden states as a list (one per layer) of [L, d] arrays typed as the store's dtype
+        (ml_dtypes.bfloat16 for bfloat16, a zero-copy view of the stored bits; float32 decoded values for
+        float8_e4m3). decode=False keeps float8_e4m3 states as their codes (ml_dtypes.float8_e4m3fn, the
+        stored bytes), with `hidden_scales` (one [L] float32 array per layer): value = code * scale."""
         shard, row = self._locate(index)
         return shard.sample_numpy(row, decode=decode)
 
@@ -298,7 +300,7 @@ class FeatureStore:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """`sample_id`, `input_ids` [L] int64, `loss_mask` [L] bool, `hidden_states` [n_layers, L, d] in the
-        storage dtype (uint16 bit patterns for bfloat16, float32 for float8_e4m3)."""
+        store's dtype (ml_dtypes.bfloat16 for bfloat16, zero-copy; float32 for float8_e4m3, decoded)."""
         sample = self.get_numpy(index)
         layers = [np.asarray(array) for array in sample["hidden_states"]]  # zero-copy for a memmap slice
         # One layer: a zero-copy view of the memory map; several layers are stacked (one copy).
