@@ -142,7 +142,7 @@ def hash_seconds(buffers: Sequence[Any]) -> float:
     start = time.perf_counter()
     digest = new_digest()
     for buffer in buffers:
-        digest.update(buffer)
+        digest.update(memoryview(buffer).cast("B"))
     return time.perf_counter() - start
 
 
