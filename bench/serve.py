@@ -49,106 +49,41 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 def build_random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path, *, draft_vocab_size: int | None = 8192,
                                 aux_layer_ids: list[int] | None = None, num_speculative_tokens: int = 3,
                                 seed: int = 0, dtype: str = "float32") -> Path:
-    """Write config.json + model.safetensors of a one-layer EAGLE-3 drafter for `target_dir`'s Llama-style
-    shape, with random weights. draft_vocab_size=None (or the target's vocabulary) keeps the full vocabulary
-    and writes no d2t/t2d (vLLM has no d2t parameter then)."""
-    import torch
-    from safetensors.torch import save_file
+    """A one-layer EAGLE-3 drafter for `target_dir` with random weights: our engine-form Beagle with the full
+    EAGLE-3 query (`--query-state`), randomly initialised and written by the same export as a trained one
+    (beagle/engine_export.py), so a wiring check exercises the real path. draft_vocab_size=None (or the
+    target's vocabulary) keeps the full vocabulary and writes no d2t/t2d (vLLM has no d2t parameter then)."""
+    from dataclasses import replace
 
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    import torch
+
+    from beagle.devices import torch_dtype
+    from beagle.engine_export import export_eagle3, target_from_model_dir
+    from beagle.model import DrafterConfig
+    from beagle.state_beagle import StateBeagleDrafter
+
+    target_dir = Path(target_dir)
+    target = target_from_model_dir(target_dir)
     cfg = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
-    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or hidden // heads
-    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
-    eps = cfg.get("rms_norm_eps", 1e-6)
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", rope_theta)
+    layers, vocab = target.num_hidden_layers, target.vocab_size
     aux = sorted(set(aux_layer_ids or default_aux_layer_ids(layers)))
     if any(i < 0 or i > layers for i in aux):
         raise ValueError(f"aux layer ids {aux} outside 0..{layers}")
-    draft_vocab = vocab if not draft_vocab_size or draft_vocab_size >= vocab else draft_vocab_size
-
-    g = torch.Generator().manual_seed(seed)
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-
-    def rand(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch_dtype)
-
-    def ones(n):
-        return torch.ones(n, dtype=torch_dtype)
-
-    tensors = {
-        "layers.0.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),  # input: [embeds, hidden]
-        "layers.0.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-        "layers.0.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-        "layers.0.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-        "layers.0.input_layernorm.weight": ones(hidden),   # on the token embeddings
-        "layers.0.hidden_norm.weight": ones(hidden),       # on fc(aux hidden states)
-        "layers.0.post_attention_layernorm.weight": ones(hidden),
-        "layers.0.mlp.gate_proj.weight": rand(inter, hidden),
-        "layers.0.mlp.up_proj.weight": rand(inter, hidden),
-        "layers.0.mlp.down_proj.weight": rand(hidden, inter),
-        "fc.weight": rand(hidden, len(aux) * hidden),      # columns: aux states concatenated in sorted id order
-        "norm.weight": ones(hidden),
-        "lm_head.weight": rand(draft_vocab, hidden),
-    }
-    if draft_vocab < vocab:
+    torch.manual_seed(seed)
+    config = replace(DrafterConfig.from_architecture(cfg), residual="state", key_layers=tuple(aux), query_state=True)
+    drafter = StateBeagleDrafter(config, target.embed_tokens, target.lm_head)
+    draft_vocab = None
+    if draft_vocab_size and draft_vocab_size < vocab:
         # A non-trivial subset (so d2t is not all zeros), always holding the special ids at the start.
-        keep = set(range(min(16, draft_vocab)))
-        for i in torch.randperm(vocab, generator=g).tolist():
-            if len(keep) >= draft_vocab:
+        keep = set(range(min(16, draft_vocab_size)))
+        for i in torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).tolist():
+            if len(keep) >= draft_vocab_size:
                 break
             keep.add(i)
-        target_ids = torch.tensor(sorted(keep), dtype=torch.int64)
-        tensors["d2t"] = target_ids - torch.arange(draft_vocab, dtype=torch.int64)  # target = draft + d2t[draft]
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[target_ids] = True
-        tensors["t2d"] = t2d
+        draft_vocab = sorted(keep)
+    return export_eagle3(drafter, target, out_dir, draft_vocab=draft_vocab, speculative_tokens=num_speculative_tokens,
+                         dtype=torch_dtype(dtype), replace=True)
 
-    layer_config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "vocab_size": vocab, "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
-        "rms_norm_eps": eps, "rope_theta": rope_theta, "rope_parameters": rope,
-        "hidden_act": cfg.get("hidden_act", "silu"), "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
-        # vLLM's llama_eagle3 sizes fc from this (else from eagle_config, else 3): always say it.
-        "num_aux_hidden_states": len(aux), "dtype": dtype,
-    }
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer_config,
-        "draft_vocab_size": draft_vocab,
-        "norm_before_residual": False,  # vLLM defaults a missing value to True: always write it
-        "target_hidden_size": hidden,
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(target_dir.resolve()),
-                         "architectures": cfg.get("architectures", ["LlamaForCausalLM"])},
-        },
-        "dtype": dtype,
-        "beagle_note": "random weights, built by bench/serve.py --random-drafter for a wiring check",
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return out_dir
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Orchestration
-# ----------------------------------------------------------------------------------------------------------
 
 def run_vllm(vllm_python: Path, out_json: Path, log_path: Path, *, target, prompts, dtype, limit, max_new_tokens,
              drafter=None, method="eagle3", k=3, timeout=1800, preload_iomp=True) -> dict:

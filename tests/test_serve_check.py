@@ -54,17 +54,17 @@ def _serve_module():
 
 
 def test_random_drafter_layout(tmp_path):
-    """The hand-built drafter has the tensor names and shapes vLLM's llama_eagle3 loader expects (fast)."""
+    """The random drafter (our engine-form Beagle, randomly initialised, through the real export) has the tensor
+    names and shapes vLLM's llama_eagle3 loader expects (fast)."""
     import torch
     from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     serve = _serve_module()
     target = tmp_path / "target"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 320,
-        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}))
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, intermediate_size=128, vocab_size=320, rms_norm_eps=1e-5,
+                                 eos_token_id=7)).save_pretrained(target)
     out = serve.build_random_eagle3_drafter(target, tmp_path / "drafter", draft_vocab_size=100)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is False
