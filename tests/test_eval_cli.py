@@ -40,6 +40,7 @@ def test_eval_greedy_matches_plain_and_writes_json_and_plot(setup, shape):
     result = CliRunner().invoke(main, [
         "eval", "--model", str(root / "target"), "--drafter", str(root / "run" / "drafter"),
         "--prompts", str(prompts), "--max-new-tokens", "24", *shape, "--json", str(out / "eval.json"),
+        "--answers", str(out / "answers.jsonl"),
         "--plot", str(out / "acceptance.png"), "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "outputs match plain greedy decoding" in result.output
@@ -52,6 +53,9 @@ def test_eval_greedy_matches_plain_and_writes_json_and_plot(setup, shape):
     assert report["speedup"] == pytest.approx(report["tokens_per_second"]["speculative"]
                                               / report["tokens_per_second"]["baseline"])
     assert (out / "acceptance.png").stat().st_size > 1000
+    answers = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert [(a["prompt_id"], a["turn"]) for a in answers][:3] == [("81", 1), ("81", 2), ("82", 1)]
+    assert len(answers) == 5 and all(a["baseline"] == a["speculative"] for a in answers)
 
 
 @pytest.mark.slow

@@ -80,6 +80,9 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--limit", default=None, type=click.IntRange(min=1), help="Use only the first N prompts.")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the summary here.")
+@click.option("--answers", "answers_path", default=None, type=click.Path(dir_okay=False),
+              help="Write both answers to every turn (plain and speculative, decoded) here as JSONL, to read "
+                   "side by side.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write a per-depth acceptance bar plot (PNG).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
@@ -108,7 +111,7 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @reports_errors
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
-             temperature, min_confidence, seed, limit, json_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
+             temperature, min_confidence, seed, limit, json_path, answers_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
              draft_vocab_store, allow_other_target_weights, trust_remote_code, no_concat, strict,
              no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
@@ -148,7 +151,8 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     if not eos:
         logger.warning("no EOS id in the tokenizer or generation_config; answers stop at --max-new-tokens")
     progress = (lambda xs: xs) if no_progress else (lambda xs: tqdm(xs, desc="prompts", unit="prompt"))
-    summary = evaluate_prompts(model, drafter, tokenizer, items, config, max_new_tokens, eos, seed, progress)
+    summary = evaluate_prompts(model, drafter, tokenizer, items, config, max_new_tokens, eos, seed, progress,
+                               keep_answers=answers_path is not None)
 
     shape = f"chain depth {depth}" if chain else f"tree depth {depth} top-k {top_k} total {total_tokens}"
     if min_confidence > 0:
@@ -165,6 +169,10 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if answers_path:
+        Path(answers_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(answers_path).write_text("".join(json.dumps(answer, ensure_ascii=False) + "\n"
+                                              for answer in summary.answers), encoding="utf-8")
     if plot_path:
         plot_acceptance(summary.per_depth_acceptance, Path(plot_path),
                         f"{Path(drafter_dir).parent.name or drafter_dir}: τ={summary.acceptance_length:.2f}, {shape}")
