@@ -8,20 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeline.store import FeatureStore, StoreFormatError
 from pipeline.store import open_store as open_feature_store
-from pipeline.store.format import HEAD, storage_view
+from pipeline.store.format import HEAD, NUMPY_DTYPES
 
 
-def as_tensor(array: Any, logical: str) -> torch.Tensor:
-    """A store array as a tensor of its logical dtype (bf16 bits reinterpreted, never converted). torch
-    cannot take ml_dtypes arrays, so they pass as their uint16 / uint8 bits: zero-copy for a memmap slice."""
-    tensor = torch.from_numpy(storage_view(array))
-    if logical == "bfloat16":
-        return tensor.view(torch.bfloat16)
-    return tensor.view(torch.float8_e4m3fn) if tensor.dtype == torch.uint8 else tensor
+# torch.from_numpy knows no ml_dtypes: such arrays go through their storage bits, then torch reinterprets them.
+_TORCH_VIEWS = {NUMPY_DTYPES["bfloat16"]: (np.uint16, torch.bfloat16),
+                NUMPY_DTYPES["float8_e4m3"]: (np.uint8, torch.float8_e4m3fn)}
+
+
+def as_tensor(array: Any, logical: str | None = None) -> torch.Tensor:
+    """A store array (ml_dtypes-typed, native float, or bf16 storage bits when `logical` says "bfloat16")
+    as a tensor of its real dtype: bits reinterpreted, never converted; zero-copy for a memmap slice."""
+    array = np.asarray(array)
+    if array.dtype in _TORCH_VIEWS:
+        bits, dtype = _TORCH_VIEWS[array.dtype]
+        return torch.from_numpy(array.view(bits)).view(dtype)
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if logical == "bfloat16" and array.dtype == np.uint16 else tensor
 
 
 def sample_tensors(store: FeatureStore, index: int) -> dict[str, Any]:

@@ -49,34 +49,16 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "float8_e4m3": np.dtype("u1"),  # e4m3fn codes; a float32 scale per token lives beside (see fp8.py)
 }
 LOSSY_DTYPES = {"float8_e4m3"}
-# Logical dtype -> the numpy dtype a reader is handed: the stored bytes viewed as what they are, never copied.
-# numpy has no bfloat16 or float8 of its own; ml_dtypes' are the ones JAX, TensorStore and ONNX use, so
-# `.astype(np.float32)` on a returned array converts values, not bit patterns. zarr 3.1 has no such data
+# Logical dtype -> the numpy dtype readers hand out: the same bytes, viewed (never converted) as the real
+# type. numpy has no bfloat16 or float8 of its own; ml_dtypes' are the ones JAX, TensorStore and ONNX use,
+# so `.astype(np.float32)` on a returned array converts values, not bit patterns. zarr 3.1 has no such data
 # types (docs/store-format.md), so the files keep uint16 / uint8 and an attribute naming the logical dtype.
-TYPED_DTYPES: dict[str, np.dtype] = {
+NUMPY_DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
-
-
-def typed_view(array: Any, logical: str) -> np.ndarray:
-    """A stored array [.., d] viewed as its logical dtype (bf16 bits as ml_dtypes.bfloat16, fp8 codes as
-    ml_dtypes.float8_e4m3fn): zero-copy, so a memory-mapped slice stays a view of the file."""
-    array = np.asarray(array)
-    want = TYPED_DTYPES[logical]
-    return array if array.dtype == want else array.view(want)
-
-
-def storage_view(array: Any) -> np.ndarray:
-    """The inverse of `typed_view`: ml_dtypes bfloat16 / float8 arrays as their uint16 / uint8 bits."""
-    array = np.asarray(array)
-    if array.dtype == TYPED_DTYPES["bfloat16"]:
-        return array.view(np.uint16)
-    if array.dtype == TYPED_DTYPES["float8_e4m3"]:
-        return array.view(np.uint8)
-    return array
 
 
 def scale_array_name(layer: int) -> str:
@@ -92,23 +74,43 @@ def storage_dtype(logical: str) -> np.dtype:
             f"unsupported hidden-state dtype {logical!r}; use one of {sorted(STORAGE_DTYPES)}") from None
 
 
+def numpy_dtype(logical: str) -> np.dtype:
+    """The typed numpy dtype readers return for a `logical` store dtype (ml_dtypes for bf16 and fp8)."""
+    storage_dtype(logical)  # the one error for an unknown name
+    return NUMPY_DTYPES[logical]
+
+
+def typed_view(stored: Any, logical: str) -> np.ndarray:
+    """Stored bytes (uint16 bf16 bits, uint8 e4m3fn codes, native floats) as their typed dtype, zero-copy:
+    a view of the same memory (a memory map stays one)."""
+    return np.asanyarray(stored).view(numpy_dtype(logical))
+
+
+def storage_view(values: Any, logical: str) -> np.ndarray:
+    """An array as the storage dtype of `logical`. For bf16 and fp8, whose bytes no numpy float type holds,
+    a typed (ml_dtypes) or already stored array is viewed, zero-copy, and any other dtype refused: converting
+    float32 would round, and a uint16 array of values (not bits) would be garbage. Native floats are cast
+    (no copy when already in the storage dtype)."""
+    array = np.asanyarray(values)
+    want = storage_dtype(logical)
+    if NUMPY_DTYPES[logical] == want:
+        return array.astype(want, copy=False)
+    if array.dtype in (NUMPY_DTYPES[logical], want):
+        return array.view(want)
+    raise StoreFormatError(
+        f"{logical} hidden states must be ml_dtypes.{NUMPY_DTYPES[logical].name} or their {want} bit pattern "
+        f"(got {array.dtype}); write torch tensors through pipeline.extract.store_tensors")
+
+
 def to_storage_array(values: np.ndarray, logical: str) -> np.ndarray:
     """Check and cast a numpy array to the exact bytes a store keeps for `logical` dtype.
 
-    bf16 arrives as ml_dtypes.bfloat16 or its uint16 bit pattern (viewed, not converted); the torch side
+    bf16 arrives as ml_dtypes.bfloat16 or as its uint16 bit pattern (viewed, never rounded); the torch side
     (`pipeline.extract.store_tensors`) makes that view, so the store itself never needs torch.
     """
     if logical in LOSSY_DTYPES:
         raise StoreFormatError(f"{logical} states are encoded with their scales by the writer, not here")
-    array = storage_view(values)
-    want = storage_dtype(logical)
-    if logical == "bfloat16":
-        if array.dtype != np.uint16:
-            raise StoreFormatError(
-                "bfloat16 hidden states must be given as ml_dtypes.bfloat16 or its uint16 bit pattern "
-                f"(got {array.dtype}); write torch tensors through pipeline.extract.store_tensors")
-        return array
-    return array.astype(want, copy=False)
+    return storage_view(values, logical)
 
 
 def canonical_json(obj: Any) -> bytes:

@@ -8,6 +8,7 @@ dimensions cost precision only within their own token.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 E4M3_MAX = 448.0
@@ -33,8 +34,9 @@ def decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def _code_bytes(codes: np.ndarray) -> np.ndarray:
+    """e4m3fn codes as uint8, whether typed (ml_dtypes.float8_e4m3fn, what readers return) or raw."""
     codes = np.asarray(codes)
-    return codes if codes.dtype == np.uint8 else codes.view(np.uint8)
+    return codes.view(np.uint8) if codes.dtype == ml_dtypes.float8_e4m3fn else codes
 
 
 def non_finite_count(codes: np.ndarray) -> int:

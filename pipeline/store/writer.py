@@ -270,10 +270,10 @@ def _fp8_arrays(sample: Mapping[str, Any], label: str) -> tuple[np.ndarray, np.n
     if "hidden_scales" not in sample:
         raise StoreFormatError(f"{label}: float8_e4m3 samples need `hidden_scales` beside the uint8 codes; "
                                "encode them with pipeline.extract.store_tensors.fp8_encode")
-    codes = fmt.storage_view(sample["hidden_states"])
-    if codes.dtype != np.uint8:
-        raise StoreFormatError(f"{label}: float8_e4m3 hidden_states must be e4m3 codes (ml_dtypes.float8_e4m3fn "
-                               f"or uint8), got {codes.dtype}")
+    try:  # ml_dtypes.float8_e4m3fn (what readers return) or its uint8 bytes
+        codes = fmt.storage_view(sample["hidden_states"], "float8_e4m3")
+    except StoreFormatError as error:
+        raise StoreFormatError(f"{label}: {error}") from None
     scales = np.asarray(sample["hidden_scales"], dtype=np.float32)
     if scales.shape != codes.shape[:-1]:
         raise StoreFormatError(f"{label}: hidden_scales {list(scales.shape)} must be {list(codes.shape[:-1])}")
