@@ -11,7 +11,7 @@ start and driver work included), and the ratio to what one H100 needs: an 8B tar
 tokens/s, ~0.25 GB/s of bf16 states per layer at d = 4096.
 
     python bench/extract_ceiling.py [--tokens 131072] [--width 4096] [--layers 1,4] [--workers 1] [--no-tmpfs]
-                                    [--json F]
+                                    [--store-dtype int8 --compression zstd] [--json F]
 
 The target folder is a real Llama config of width `--width` with `max(layers)` tiny layers (1 head of 8,
 MLP of 8): the driver reads and hashes it as it would any target; the actors never run it.
@@ -121,13 +121,14 @@ def _tmpfs_has_room(state_bytes: int) -> bool:
     return True
 
 
-def measure(target: Path, data: Path, out: Path, layers: tuple[int, ...], workers: int, width: int) -> dict:
+def measure(target: Path, data: Path, out: Path, layers: tuple[int, ...], workers: int, width: int,
+            store_dtype: str | None = None, compression: str = "none") -> dict:
     from pipeline.extract.pipeline import ExtractConfig, run_extract
 
     summary = run_extract(ExtractConfig(model_path=str(target), data=(str(data),), out=str(out), layers=layers,
                                         dtype="bfloat16", max_length=2048, samples_per_shard=16,
-                                        num_workers=workers))
-    state_bytes = summary.forward_tokens * len(layers) * width * 2
+                                        num_workers=workers, store_dtype=store_dtype, compression=compression))
+    state_bytes = summary.forward_tokens * len(layers) * width * 2  # as bf16: the ratio is one of tokens/s
     per_actor = summary.actor_busy_seconds / max(summary.actors, 1)
     need = H100_TOKENS_PER_SECOND * len(layers) * width * 2
     result = {"layers": len(layers), "width": width, "tokens": summary.forward_tokens, "shards": summary.shards,
@@ -135,7 +136,8 @@ def measure(target: Path, data: Path, out: Path, layers: tuple[int, ...], worker
               "actor_tokens_per_s": summary.forward_tokens / summary.actor_busy_seconds / summary.actors,
               "actor_gb_per_s": state_bytes / summary.actor_busy_seconds / summary.actors / 1e9,
               "job_tokens_per_s": summary.tokens_per_second, "actor_seconds": per_actor,
-              "write_overlap_seconds": summary.write_overlap_seconds}
+              "write_overlap_seconds": summary.write_overlap_seconds,
+              "encoding": f"{store_dtype or 'bfloat16'}" + ("" if compression == "none" else f" + {compression}")}
     result["h100_ratio"] = result["actor_gb_per_s"] * 1e9 / need
     shutil.rmtree(out)
     result["filesystem"] = filesystem_type(str(out.parent))
@@ -153,6 +155,9 @@ def main() -> None:
     parser.add_argument("--no-tmpfs", dest="tmpfs", action="store_false",
                         help="measure on the workdir's disk only (by default also in /dev/shm, where the disk "
                              "is not what limits: the ceiling of the code itself)")
+    parser.add_argument("--store-dtype", default=None, choices=["float8_e4m3", "int8"],
+                        help="store lossily, as extract --store-dtype (the ratio stays one of tokens/s)")
+    parser.add_argument("--compression", default="none", choices=["none", "zstd"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import ray
@@ -165,7 +170,9 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers + 1), include_dashboard=False,
              log_to_driver=False, runtime_env={"worker_process_setup_hook": unlimited_forward})
-    print(f"{machine()}; d = {args.width}, bf16, {args.workers} actor(s); the forward is a random-state producer")
+    encoding = (args.store_dtype or "bf16") + ("" if args.compression == "none" else f" + {args.compression}")
+    print(f"{machine()}; d = {args.width}, {encoding}, {args.workers} actor(s); the forward is a random-state "
+          "producer")
     print("raw GB/s: the same bytes as files of the same sizes, each written and fsync'd, on the same filesystem")
     print(f"{'filesystem':>10} {'layers':>6} {'tokens':>8} {'GB':>6} {'actor tok/s':>12} {'actor GB/s':>11} "
           f"{'raw GB/s':>9} {'job tok/s':>10} {'÷ H100 need':>12}")
@@ -176,7 +183,8 @@ def main() -> None:
         for place in places:
             for count in counts:
                 layers = tuple(range(1, count)) + (-1,)  # count layers: the first count-1 and the last
-                r = measure(target, data, place / f"store-{count}", layers, args.workers, args.width)
+                r = measure(target, data, place / f"store-{count}", layers, args.workers, args.width,
+                            args.store_dtype, args.compression)
                 results.append(r)
                 print(f"{r['filesystem']:>10} {r['layers']:>6} {r['tokens']:>8} {r['state_gb']:>6.2f} "
                       f"{r['actor_tokens_per_s']:>12,.0f} {r['actor_gb_per_s']:>11.2f} {r['raw_gb_per_s']:>9.2f} "

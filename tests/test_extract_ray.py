@@ -105,6 +105,27 @@ def test_two_workers_store_what_a_direct_forward_computes(ray_address, workspace
     torch.testing.assert_close(store.load_head()["embed_tokens"], model.get_input_embeddings().weight)
 
 
+def test_an_int8_zstd_store_holds_the_float32_store_s_states_rounded(ray_address, workspace):
+    """--store-dtype int8 --compression zstd: the same samples as the float32 store of the test above, each
+    token's states within int8's rounding (half a step of its absmax / 127), in files about a third the
+    size; the encoding is part of the identity, so the two stores have other dataset_ids."""
+    exact = workspace["root"] / "store"
+    if not (exact / "manifest.json").exists():
+        run_extract(_config(workspace, exact))
+    out = workspace["root"] / "store-int8"
+    summary = run_extract(_config(workspace, out, store_dtype="int8", compression="zstd"))
+    assert summary.samples == 11 and verify_store(str(out)).ok
+    small, full = open_store(str(out)), open_store(str(exact))
+    assert small.manifest["dtype"] == "int8" and small.manifest["capture"]["compression"] == "zstd"
+    assert small.manifest["target"]["dtype"] == "float32" and small.dataset_id != full.dataset_id
+    for i in range(len(full)):
+        want, got = full[i]["hidden_states"], small[i]["hidden_states"]  # [1, L, d] float32 both
+        step = want.abs().amax(dim=-1, keepdim=True) / 127
+        assert got.dtype == torch.float32 and bool(((got - want).abs() <= step / 2 + 1e-6).all())
+    layer_bytes = lambda root: sum(f.stat().st_size for f in root.glob("shards/*/hidden_states/layer_m1/c/*/*"))  # noqa: E731
+    assert layer_bytes(out) < 0.4 * layer_bytes(exact)
+
+
 def test_a_head_lost_after_every_shard_committed_is_read_from_the_weight_files(ray_address, workspace, tmp_path,
                                                                                  monkeypatch):
     """The crash between the last shard and the head: the rerun writes the head from two tensors of the

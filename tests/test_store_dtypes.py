@@ -13,7 +13,7 @@ import zarr
 import zarr.storage
 
 import beagle.store_tensors as store_tensors
-from pipeline.extract.store_tensors import fp8_encode, head_payload
+from pipeline.extract.store_tensors import encode_codes, fp8_encode, head_payload
 from pipeline.store import StoreFormatError, open_store, write_store
 from pipeline.store import format as fmt
 from pipeline.store import fp8
@@ -22,9 +22,9 @@ from tests.test_store import HIDDEN, build, make_samples
 
 HEAD = head_payload(embed_tokens=torch.zeros(50, HIDDEN), lm_head=torch.zeros(50, HIDDEN))
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "float8_e4m3": torch.bfloat16}  # fp8 stores are encoded from bf16 states
+                "float8_e4m3": torch.bfloat16, "int8": torch.bfloat16}  # lossy stores are encoded from bf16
 TYPED = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-         "float32": np.dtype(np.float32), "float8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn)}
+         "float32": np.dtype(np.float32), "float8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn), "int8": np.dtype(np.int8)}
 
 
 def _store(tmp_path: Path, dtype: str, *, compression: str | None = None, layers=(-1,)) -> tuple[str, list[dict]]:
@@ -94,7 +94,7 @@ def _zarr_arrays(shard_dir: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3", "int8"])
 def test_plain_zarr_reads_every_array_bit_for_bit(tmp_path, dtype, compression):
     """The raw shard file is written by hand (pipeline/store/zarr_io.py): a zarr release that lays sharded
     arrays out differently must fail here, not for a user reading the store with plain zarr."""
@@ -122,7 +122,7 @@ def test_plain_zarr_reads_every_array_bit_for_bit(tmp_path, dtype, compression):
                 ours_scales = np.concatenate([row["hidden_scales"][position] for row in rows])
                 assert plain_scales[:].view(np.uint8).tobytes() == ours_scales.view(np.uint8).tobytes()
         for row, sample in zip(rows, samples[first:first + shard.info["samples"]]):  # and both are the input
-            want = fp8_encode(sample["hidden_states"])[0] if lossy \
+            want = encode_codes(sample["hidden_states"], dtype)[0] if lossy \
                 else sample["hidden_states"].contiguous().view(torch.uint8).numpy()
             assert np.stack(row["hidden_states"]).view(np.uint8).tobytes() == want.tobytes()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.extract.chat import load_tokenizer, tokenize_record
 from pipeline.extract.forward import ForwardConfig, TargetForward
+from pipeline.store.format import StoreEncoding
 from pipeline.extract.inputs import Record, RejectRecord
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,10 @@ class ShardExtractor:
     the model already, and the head write is atomic, so two actors (or threads) racing write the same bytes.
     """
 
-    def __init__(self, config: ForwardConfig, store_url: str) -> None:
+    def __init__(self, config: ForwardConfig, store_url: str, encoding: StoreEncoding | None = None) -> None:
         self.config = config
         self.store_url = store_url
+        self.encoding = encoding or StoreEncoding(config.dtype)  # the stored dtype and codec
         self.forward = TargetForward(config)
         self._forward_lock = threading.Lock()
         self._head_done = False
@@ -99,7 +101,7 @@ class ShardExtractor:
             rows = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
                      "hidden_states": h} for s, h in zip(samples, states)]
             info: dict[str, Any] = write_shard(self.store_url, int(shard_index), rows, layers=self.forward.layers,
-                                               dtype=self.config.dtype)
+                                               dtype=self.encoding.dtype, compression=self.encoding.codec)
             if not self._head_done:
                 self._ensure_head()
         except OSError as error:

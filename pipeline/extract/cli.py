@@ -62,6 +62,13 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--max-length", default=2048, show_default=True, help="Truncate samples at this many tokens.")
 @click.option("--dtype", default="bfloat16", show_default=True,
               type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
+@click.option("--store-dtype", type=click.Choice(["float8_e4m3", "int8"]), default=None,
+              help="Store the states lossily in one byte a value (plus a float32 scale a token) instead of "
+                   "--dtype: int8 (symmetric, per-token absmax) or float8_e4m3. With --compression zstd an "
+                   "int8 store is ~0.3x a bf16 one; measured τ in docs/benchmarks.md. [--dtype]")
+@click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
+              help="zstd (level 1, zarr's own codec): smaller files (about 0.75x for bf16, 0.7x for int8 codes), "
+                   "read through zarr instead of a memory map.")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
               help="Padded tokens per forward batch (rows x longest sample). [16384 on GPUs; 4096 on CPUs, "
                    "where larger batches forward slower: their activations leave the caches]")
@@ -88,7 +95,7 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int, ...], max_length: int,
-            dtype: str, batch_tokens: int | None, num_workers: int | None, num_gpus_per_worker: float,
+            dtype: str, store_dtype: str | None, compression: str, batch_tokens: int | None, num_workers: int | None, num_gpus_per_worker: float,
             device_map: str | None, address: str | None, limit: int | None, max_record_bytes: int,
             max_turns: int, samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
             no_progress: bool) -> None:
@@ -104,7 +111,8 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
         quiet_ray_loggers(ray_data=False)  # extraction feeds its own actors, never through Ray Data
 
     config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
-                           dtype=dtype, batch_tokens=batch_tokens, num_workers=num_workers,
+                           dtype=dtype, store_dtype=store_dtype, compression=compression,
+                           batch_tokens=batch_tokens, num_workers=num_workers,
                            num_gpus_per_worker=num_gpus_per_worker, device_map=device_map, address=address,
                            limit=limit, max_record_bytes=max_record_bytes, max_turns=max_turns, overwrite=overwrite,
                            trust_remote_code=trust_remote_code, samples_per_shard=samples_per_shard)

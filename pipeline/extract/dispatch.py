@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.extract.forward import ForwardConfig
+from pipeline.store.format import StoreEncoding
 from pipeline.ray_session import ActorPool
 
 logger = logging.getLogger(__name__)
@@ -83,10 +84,11 @@ class ShardDispatcher:
     `forwarded`; `on_commit(info)` is called for each committed shard (progress)."""
 
     def __init__(self, pool: ActorPool, config: ForwardConfig, store_url: str, *, per_actor: int = 2,
-                 on_commit: Callable[[dict], None] | None = None) -> None:
+                 encoding: StoreEncoding | None = None, on_commit: Callable[[dict], None] | None = None) -> None:
         self.pool = pool
         self.config = config
         self.store_url = store_url
+        self.encoding = encoding or StoreEncoding(config.dtype)
         self.per_actor = per_actor
         self.on_commit = on_commit
         self.forwarded = Forwarded()
@@ -104,7 +106,7 @@ class ShardDispatcher:
         remote = ray.remote(ShardExtractor).options(max_restarts=-1, max_task_retries=-1,
                                                     max_concurrency=self.per_actor, **self.pool.resources)
         self.started = time.perf_counter()
-        self.actors = [remote.remote(self.config, self.store_url) for _ in range(self.pool.workers)]
+        self.actors = [remote.remote(self.config, self.store_url, self.encoding) for _ in range(self.pool.workers)]
         logger.info("forward: %d %s actor(s), %d shard(s) in flight on each", self.pool.workers, self.pool.kind,
                     self.per_actor)
 

@@ -34,6 +34,8 @@ from pipeline.extract.inputs import (DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS
 from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from pipeline.extract.summary import ExtractSummary
 from pipeline.ray_session import connect_ray, size_actor_pool
+from pipeline.store.errors import StoreFormatError
+from pipeline.store.format import LOSSY_DTYPES, StoreEncoding
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,9 @@ class ExtractConfig:
     out: str
     layers: tuple[int, ...] = (-1,)
     max_length: int = 2048
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the target's dtype, and the stored one unless store_dtype says otherwise
+    store_dtype: str | None = None  # None: dtype; "float8_e4m3" or "int8": one byte a value plus a scale a token
+    compression: str = "none"  # "zstd": smaller files, read through zarr instead of a memory map
     batch_tokens: int | None = None  # None: per device kind, see default_batch_tokens
     num_workers: int | None = None  # None: one per GPU (per num_gpus_per_worker GPUs), or one CPU actor
     num_gpus_per_worker: float = 1.0  # GPUs each forward actor reserves (> 1 with device_map="auto")
@@ -64,6 +68,11 @@ class ExtractConfig:
     tokenize_chunk: int = 512  # records per tokenize task (fewer when they are long: tokenize_chunk_chars)
     tokenize_chunk_chars: int = 8 << 20  # about this many characters of text per tokenize task at most
     tokenize_tasks: int = 4  # tokenize tasks in flight at once: with the chunk size, the records held at once
+
+    @property
+    def encoding(self) -> StoreEncoding:
+        """How the store keeps the states (pipeline/store/format.py): dtype and codec."""
+        return StoreEncoding(self.store_dtype or self.dtype, self.compression)
 
 
 class Progress(Protocol):
@@ -100,6 +109,14 @@ def prepare(config: ExtractConfig) -> Prepared:
         check_data_path(path)
     weight_files(config.model_path)
     torch_dtype(config.dtype)
+    try:
+        config.encoding
+    except StoreFormatError as error:
+        raise ValueError(f"--store-dtype / --compression: {error}") from None
+    if config.store_dtype is not None and config.store_dtype not in LOSSY_DTYPES and config.store_dtype != config.dtype:
+        raise ValueError(f"--store-dtype {config.store_dtype}: a lossless store keeps the target's own --dtype "
+                         f"({config.dtype}); give --dtype {config.store_dtype}, or a lossy --store-dtype "
+                         f"({', '.join(sorted(LOSSY_DTYPES))})")
     if config.num_gpus_per_worker <= 0:
         raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: must be > 0")
     if config.device_map not in (None, "auto"):
@@ -137,13 +154,15 @@ def _samples(prepared: Prepared, records: RecordStream, *, use_ray: bool) -> Ite
 def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
     """The facts the dataset_id is computed from (see pipeline.store.store_identity)."""
     config = prepared.config
-    capture = {"layers": prepared.layers, "dtype": config.dtype, "max_length": config.max_length,
+    capture = {"layers": prepared.layers, "dtype": config.encoding.dtype, "max_length": config.max_length,
                "samples_per_shard": config.samples_per_shard, "limit": config.limit,
                "loss_mask": "assistant_turns", "extract_version": EXTRACT_VERSION}
     if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older ids stay valid
         capture["max_record_bytes"] = config.max_record_bytes
     if config.max_turns != DEFAULT_MAX_TURNS:
         capture["max_turns"] = config.max_turns
+    if config.encoding.compression != "none":
+        capture["compression"] = config.encoding.compression
     return {"target": target, "tokenizer": tokenizer_fingerprint(config.model_path, prepared.tokenizer),
             "capture": capture, "source": {"files": prepared.scan.sources}}
 
@@ -152,7 +171,11 @@ def estimate_store_bytes(prepared: Prepared, tokens: int) -> tuple[int, int]:
     """(total, head): tokens x (layers x d x dtype size + 5 for ids and mask), plus the [V, d] head twice."""
     element = torch_dtype(prepared.config.dtype).itemsize
     head = 2 * prepared.vocab_size * prepared.hidden_size * element
-    return tokens * (len(prepared.layers) * prepared.hidden_size * element + 5) + head, head
+    encoding = prepared.config.encoding
+    # A lossy store keeps one byte a value and a float32 scale a token; zstd is not estimated (it depends on
+    # the states: about 0.75 of bf16, 0.6-0.7 of int8 codes on the demo target).
+    per_layer = prepared.hidden_size + 4 if encoding.dtype in LOSSY_DTYPES else prepared.hidden_size * element
+    return tokens * (len(prepared.layers) * per_layer + 5) + head, head
 
 
 def _sorted_rejects(config: ExtractConfig, *parts: list[dict]) -> list[dict]:
@@ -312,7 +335,7 @@ def _dispatcher(prepared: Prepared, url: str, pending: int, progress: Progress |
                                    trust_remote_code=config.trust_remote_code, device_map=config.device_map)
     on_commit = None if progress is None else (
         lambda info: progress.advance(info["samples"], info["tokens"], forwarded=True))
-    return ShardDispatcher(pool, forward_config, url, on_commit=on_commit)
+    return ShardDispatcher(pool, forward_config, url, encoding=config.encoding, on_commit=on_commit)
 
 
 def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> ExtractSummary:

@@ -1,8 +1,8 @@
 """Torch tensors into a feature store: the producer's side of the store's numpy-only interface.
 
 `pipeline.store` never imports torch. Extraction (and tests, tools) hold torch tensors, so this module
-turns them into the storage form the store writes: bf16 as its uint16 bit pattern (bit-exact), fp8 as e4m3
-codes with per-token scales (rounded by torch), the head as the bytes of a safetensors file. `write_shard`,
+turns them into the storage form the store writes: bf16 as its uint16 bit pattern (bit-exact), fp8 and int8
+as codes with per-token scales (rounded by torch), the head as the bytes of a safetensors file. `write_shard`,
 `write_head` and `write_store` here take tensors (or numpy) and call the store's functions of the same role.
 """
 from __future__ import annotations
@@ -16,15 +16,28 @@ import torch
 from pipeline.store import StoreFormatError
 from pipeline.store import format as fmt
 from pipeline.store import writer
-from pipeline.store.fp8 import E4M3_MAX
+from pipeline.store.quantized import CODE_MAX
+
+
+def encode_codes(states: Any, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """states [..., L, d] (any float dtype) -> (codes [..., L, d], scales float32 [..., L]) of a lossy store
+    `dtype`: float8_e4m3 (uint8 e4m3fn codes, rounded by torch) or int8 (round to nearest, -127..127).
+    The scale maps each token's largest magnitude to the code's largest (pipeline/store/quantized.py)."""
+    if dtype not in CODE_MAX:
+        raise StoreFormatError(f"{dtype!r} is not a lossy store dtype; use one of {sorted(CODE_MAX)}")
+    values = torch.as_tensor(states).detach().cpu().float()
+    scales = values.abs().amax(dim=-1).clamp_min(1e-12) / CODE_MAX[dtype]  # [..., L]
+    scaled = values / scales.unsqueeze(-1)
+    if dtype == "int8":
+        codes = scaled.round().clamp_(-CODE_MAX[dtype], CODE_MAX[dtype]).to(torch.int8)
+    else:
+        codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes.numpy(), scales.numpy()
 
 
 def fp8_encode(states: Any) -> tuple[np.ndarray, np.ndarray]:
     """states [..., L, d] (any float dtype) -> (codes uint8 [..., L, d], scales float32 [..., L])."""
-    values = torch.as_tensor(states).detach().cpu().float()
-    scales = values.abs().amax(dim=-1).clamp_min(1e-12) / E4M3_MAX  # [..., L]
-    codes = (values / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
-    return codes.numpy(), scales.numpy()
+    return encode_codes(states, "float8_e4m3")
 
 
 def to_numpy(values: Any) -> np.ndarray:
@@ -44,7 +57,7 @@ def storage_sample(sample: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     converted = {"sample_id": sample["sample_id"], "input_ids": to_numpy(sample["input_ids"]),
                  "loss_mask": to_numpy(sample["loss_mask"])}
     if dtype in fmt.LOSSY_DTYPES:
-        converted["hidden_states"], converted["hidden_scales"] = fp8_encode(states)
+        converted["hidden_states"], converted["hidden_scales"] = encode_codes(states, dtype)
         return converted
     if isinstance(states, torch.Tensor) and states.dtype == torch.bfloat16 and dtype != "bfloat16":
         raise StoreFormatError(f"got bfloat16 hidden states for a {dtype} store")

@@ -33,6 +33,7 @@ def info_facts(manifest: dict) -> dict:
         "hidden_size": manifest["hidden_size"],
         "layers": manifest["layers"],
         "dtype": manifest["dtype"],
+        "compression": manifest.get("capture", {}).get("compression", "none"),
         "max_length": manifest.get("capture", {}).get("max_length"),
         "target": {k: v for k, v in manifest["target"].items() if k != "architecture"},
         "architecture": manifest["target"].get("architecture", {}),
@@ -59,7 +60,7 @@ def info(store: str, as_json: bool) -> None:
         return
     tokens = max(1, facts["num_tokens"])
     raw = facts["num_tokens"] * len(facts["layers"]) * facts["hidden_size"] * \
-        {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 2}[facts["dtype"]]
+        {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 2, "int8": 2}[facts["dtype"]]  # lossy: ÷ bf16
     per_token = facts["store_bytes"] - facts["head_bytes"]
     rows = [
         ("store", store),
@@ -77,7 +78,8 @@ def info(store: str, as_json: bool) -> None:
         # The frozen head is a fixed cost per store; per-token figures leave it out, as extract's summary does.
         ("size", f"{_human_bytes(facts['store_bytes'])} ({per_token / tokens:,.0f} bytes/token + head "
                  f"{_human_bytes(facts['head_bytes'])}; {per_token / max(1, raw):.3f} x raw"
-                 f"{' bf16' if facts['dtype'] == 'float8_e4m3' else ''})"),
+                 f"{' bf16' if facts['dtype'] in ('float8_e4m3', 'int8') else ''}"
+                 f"{', ' + facts['compression'] if facts['compression'] != 'none' else ''})"),
     ]
     width = max(len(key) for key, _ in rows)
     for key, value in rows:

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from pipeline.store import files
 from pipeline.store import format as fmt
-from pipeline.store import fp8
+from pipeline.store import quantized
 from pipeline.store import integrity
 from pipeline.store.errors import StoreError, StoreFormatError, StoreNotFoundError
 from pipeline.store.hashing import has_valid_checksum
@@ -151,7 +151,8 @@ class _Shard:
 
     @cached_property
     def scales(self) -> list[np.ndarray]:
-        """fp8 stores only: per layer, the per-token scales [tokens] float32 (read whole, 4 bytes/token)."""
+        """Lossy (fp8, int8) stores only: per layer, the per-token scales [tokens] float32 (read whole,
+        4 bytes/token)."""
         import zarr
 
         self._check_kinds(table=False)
@@ -186,7 +187,8 @@ class _Shard:
             scales = [layer_scales[first:first + length] for layer_scales in self.scales]  # [L] each
             if not decode:
                 return {**sample, "hidden_states": hidden, "hidden_scales": scales}
-            hidden = [fp8.decode(codes, token_scales) for codes, token_scales in zip(hidden, scales)]
+            hidden = [quantized.decode(self._store.dtype, codes, token_scales)
+                      for codes, token_scales in zip(hidden, scales)]
         return {**sample, "hidden_states": hidden}
 
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from pipeline.store import files
 from pipeline.store import format as fmt
-from pipeline.store import fp8
 from pipeline.store import integrity
+from pipeline.store import quantized
 from pipeline.store.errors import StoreError
 from pipeline.store.reader import FeatureStore
 
@@ -163,7 +163,7 @@ def _check_shard_states(store: FeatureStore, shard, where: str, report: VerifyRe
             if store.dtype == "bfloat16":
                 bad = np.count_nonzero((block & _BF16_EXPONENT) == _BF16_EXPONENT)
             elif store.dtype in fmt.LOSSY_DTYPES:
-                bad = fp8.non_finite_count(block)
+                bad = quantized.non_finite_count(store.dtype, block)
             else:
                 bad = block.size - np.count_nonzero(np.isfinite(block))
             if bad:

@@ -221,7 +221,7 @@ def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtyp
         tokens = np.asarray(sample["input_ids"]).astype(np.int64, copy=False)
         mask = np.asarray(sample["loss_mask"]).astype(np.uint8, copy=False)
         if dtype in fmt.LOSSY_DTYPES:
-            states, token_scales = _fp8_arrays(sample, label)  # [n_layers, L, d] u8, [n_layers, L]
+            states, token_scales = _coded_arrays(sample, dtype, label)  # [n_layers, L, d] codes, [n_layers, L]
             scales.append(token_scales)
         else:
             states = fmt.to_storage_array(sample["hidden_states"], dtype)
@@ -265,13 +265,13 @@ def _list_array(parts: list[np.ndarray], value_type: pa.DataType) -> pa.ListArra
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, value_type))
 
 
-def _fp8_arrays(sample: Mapping[str, Any], label: str) -> tuple[np.ndarray, np.ndarray]:
-    """The e4m3 codes and per-token scales of an already encoded fp8 sample."""
+def _coded_arrays(sample: Mapping[str, Any], dtype: str, label: str) -> tuple[np.ndarray, np.ndarray]:
+    """The codes and per-token scales of an already encoded sample of a lossy dtype (fp8, int8)."""
     if "hidden_scales" not in sample:
-        raise StoreFormatError(f"{label}: float8_e4m3 samples need `hidden_scales` beside the uint8 codes; "
-                               "encode them with pipeline.extract.store_tensors.fp8_encode")
-    try:  # ml_dtypes.float8_e4m3fn (what readers return) or its uint8 bytes
-        codes = fmt.storage_view(sample["hidden_states"], "float8_e4m3")
+        raise StoreFormatError(f"{label}: {dtype} samples need `hidden_scales` beside the codes; encode them "
+                               "with pipeline.extract.store_tensors.encode_codes")
+    try:  # fp8: ml_dtypes.float8_e4m3fn (what readers return) or its uint8 bytes; int8: int8
+        codes = fmt.storage_view(sample["hidden_states"], dtype)
     except StoreFormatError as error:
         raise StoreFormatError(f"{label}: {error}") from None
     scales = np.asarray(sample["hidden_scales"], dtype=np.float32)
