@@ -4,7 +4,8 @@
 
 Each figure is measured side by side in one run by its own script (each also runs alone):
   P1, P7  bench/extract.py   extraction ÷ bare forward; 2 Ray workers ÷ 1
-  P2, P5  bench/quality.py   store bytes ÷ raw (bf16, zstd, fp8) and fp8's τ cost; τ Beagle ÷ τ EAGLE-2
+  P2, P5  bench/quality.py   store bytes ÷ raw (bf16, zstd, fp8, int8 + zstd) and their τ cost; τ Beagle ÷ τ EAGLE-2
+  P2      bench/compression.py  the compression study on real states at one and four layers (codecs, entropy)
   P3      bench/store.py     training read path ÷ memcpy
   P8      bench/store.py --p8  one shard's write_shard bytes/s ÷ a raw fsync'd write (disk and tmpfs)
   P12     bench/extract_ceiling.py  the extraction path with a random-state forward ÷ what one H100 needs
@@ -173,6 +174,10 @@ def main() -> None:
         ("P2", lambda: run(["bench/quality.py", "--store", str(work / "extract" / "p1"), *q, "--workdir",
                             str(work / "quality"), "--json", str(work / "p2.json")], work / "p2.log")
          and json.loads((work / "p2.json").read_text())),
+        ("P2", lambda: run(["bench/compression.py", "--extract", "40" if args.quick else "120", "--workdir",
+                            str(work / "compression"), "--json", str(work / "compression.json"), "--records",
+                            str(work / "p2-codes.json")], work / "p2-codes.log")
+         and json.loads((work / "p2-codes.json").read_text())),
         ("P3", lambda: p3(work, args.quick)),
         ("P8", lambda: p8(work, args.quick)),
         ("P12", lambda: p12(work, args.quick)),
@@ -193,6 +198,7 @@ def main() -> None:
             records.append(record(figure, "failed", float("nan"), 0, ">=", str(exc)[:300], {}, why=str(exc)[:200]))
     commands = [f"python bench/run_all.py{' --quick' if args.quick else ''}  # runs, in order:",
                 "python bench/extract.py [--quick]", "python bench/quality.py --store <P1 store> [--quick]",
+                "python bench/compression.py --extract 120 --workdir <dir> [--extract 40]",
                 "python bench/store.py --tokens N --widths 576", "python bench/store.py --p8 [--shard-tokens 16384]",
                 "python bench/extract_ceiling.py [--tokens 32768]", "python bench/memory.py [--quick]",
                 "python bench/decode.py --drafter <P5 Beagle drafter> --shapes 'chain d5,tree d5 k4 n16,chain d3 c0.25,tree d5 k4 n16 c0.2'",
