@@ -6,15 +6,14 @@ records which node committed each shard.
 """
 import json
 import logging
-import os
-import socket
 
 import pytest
 from click.testing import CliRunner
 
 from pipeline.extract.pipeline import ExtractConfig, run_extract
 from pipeline.store import open_store, verify_store
-from pipeline.store.cli import info
+from pipeline.commands.store import info
+from tests.local_s3 import local_s3_bucket
 from tests.tiny import build_target
 
 pytestmark = pytest.mark.slow
@@ -26,32 +25,10 @@ CHATS = [{"id": f"c{i}", "conversations": [
     {"from": "gpt", "value": f"The answer is {2 * i}." + " Indeed." * (i % 4)}]} for i in range(8)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_bucket():
-    """A local S3 endpoint; its address and fake credentials go through the environment, which Ray's
-    processes (started below) inherit, as they would inherit a node's real credentials."""
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import s3fs
-    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("beagle-test")
-    yield "s3://beagle-test"
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    server.stop()
+    with local_s3_bucket() as bucket:
+        yield bucket
 
 
 @pytest.fixture(scope="module")

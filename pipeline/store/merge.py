@@ -122,7 +122,8 @@ def _write_or_reuse(out: str, index: int, batch: list[dict], reference: dict, do
         if "hidden_scales" in s:
             sample["hidden_scales"] = np.stack([np.asarray(layer) for layer in s["hidden_scales"]])  # [n, L]
         samples.append(sample)
-    return write_shard(out, index, samples, layers=reference["capture"]["layers"], dtype=reference["dtype"])
+    return write_shard(out, index, samples, layers=reference["capture"]["layers"], dtype=reference["dtype"],
+                       compression=reference["capture"].get("compression"))  # the inputs' codec, as recorded
 
 
 def _gather_rejects(stores: list[FeatureStore]) -> tuple[list[dict], Counter]:

@@ -343,6 +343,12 @@ def open_store(url: str, *, check_files: bool = True, cache_dir: str | None = No
     return FeatureStore(url, check_files=check_files, cache_dir=cache_dir, verify=verify, verify_share=verify_share)
 
 
+def load_manifest(fs: Any, root: str, url: str) -> dict:
+    """The manifest of the store at `root` on `fs`, read within bounds and checked for shape and paths
+    (StoreError naming `url` otherwise); no other file of the store is touched."""
+    return _load_manifest(fs, root, url)
+
+
 def _load_manifest(fs: Any, root: str, url: str) -> dict:
     path = fmt.join(root, fmt.MANIFEST)
     try:

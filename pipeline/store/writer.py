@@ -405,8 +405,12 @@ def write_store(url: str, samples: Iterable[Mapping[str, Any]], *, head: bytes, 
     """Write a whole store in one process: shards of `samples_per_shard`, head, rejects, manifest.
 
     samples as for `write_shard`; head: the safetensors bytes of `write_head_bytes`. The convenience path
-    for tests, tools and small jobs; extraction uses the same pieces in parallel.
+    for tests, tools and small jobs; extraction uses the same pieces in parallel. The codec is recorded in
+    `capture["compression"]` (when not none), as extract records it; `compression` None takes it from there.
     """
+    compression = compression or capture.get("compression")
+    if compression not in (None, "none"):
+        capture = {**capture, "compression": compression}
     with store_lock(url):
         identity = store_identity(target=target, tokenizer=tokenizer, capture=capture, source=source)
         dataset_id = fmt.compute_dataset_id(identity)

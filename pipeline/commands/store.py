@@ -1,4 +1,4 @@
-"""`beagle-pipeline info` and `beagle-pipeline verify`."""
+"""The store commands: `beagle-pipeline info`, `verify`, `merge` and `ls`."""
 from __future__ import annotations
 
 import errno
@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from pipeline.commands.errors import reports_errors
 from pipeline.store.errors import StoreError
 
 
@@ -148,3 +149,42 @@ def merge(stores: tuple[str, ...], out: str, overwrite: bool, samples_per_shard:
     dropped = manifest["extra"].get("merge", {}).get("duplicates_dropped", 0)
     click.echo(f"merged {len(stores)} stores into {out}: {manifest['counts']['samples']} samples, "
                f"{manifest['counts']['tokens']} tokens, {dropped} duplicate(s) dropped")
+
+
+def _catalog_line(entry, width: int) -> str:
+    """One `ls` line: state, URL, then for a complete store what a team picks it by."""
+    if entry.state != "complete":
+        return f"{entry.state:<11} {entry.url:<{width}}  {entry.problem}"
+    weights = (entry.target_weights_sha256 or "?")[:12]
+    codec = "" if entry.compression in (None, "none") else f"+{entry.compression}"
+    return (f"{entry.state:<11} {entry.url:<{width}}  {entry.target} (weights {weights})  layers "
+            f"{','.join(map(str, entry.layers))}  {entry.dtype}{codec}  {entry.samples:,} samples  "
+            f"{entry.tokens:,} tokens  {_human_bytes(entry.bytes)}  {'+'.join(entry.checksums)}")
+
+
+@click.command("ls")
+@click.argument("url")
+@click.option("--depth", default=2, show_default=True, type=click.IntRange(min=0),
+              help="How many folder levels below URL to look for stores (0: URL itself).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON list (url, state, problem, dataset_id, target, target_weights_sha256, "
+                   "layers, dtype, compression, samples, tokens, bytes, checksums) for scripts.")
+@reports_errors
+def list_stores_command(url: str, depth: int, as_json: bool) -> None:
+    """List the feature stores under URL (a folder or an fsspec prefix such as s3://bucket/stores).
+
+    One line per store: complete, unfinished or damaged, its target and weights fingerprint, layers, dtype,
+    samples, tokens, size and checksum algorithm. Reads each store's manifest only, never its states.
+    """
+    from pipeline.store.catalog import list_stores
+
+    entries = list_stores(url, depth=depth)
+    if as_json:
+        click.echo(json.dumps([entry.to_json() for entry in entries], indent=2))
+        return
+    if not entries:
+        click.echo(f"no stores under {url} (looked {depth} level(s) down; --depth to look deeper)")
+        return
+    width = max(len(entry.url) for entry in entries)
+    for entry in entries:
+        click.echo(_catalog_line(entry, width))
