@@ -197,10 +197,20 @@ class StoreSet:
         layers = s["hidden_states"][self._key_index[which], :limit]                 # [n, L, d]
         return (*fields, layers.transpose(0, 1).reshape(layers.shape[1], -1).to(dtype or layers.dtype))
 
-    def state_rms(self, max_samples: int, limit: int) -> float:
-        """RMS of the target states over the first samples: the scale the key noise is relative to."""
+    def per_store(self, indices: list[int]) -> list[set[int]]:
+        """Sample indices of the set as each store's own indices: [{local index, ...} per store]."""
+        out: list[set[int]] = [set() for _ in self.stores]
+        for index in indices:
+            which = int(np.searchsorted(self._starts, index, side="right") - 1)
+            out[which].add(int(index - self._starts[which]))
+        return out
+
+    def state_rms(self, max_samples: int, limit: int, indices: np.ndarray | None = None) -> float:
+        """RMS of the target states over the first samples (of `indices`, when given: the training samples
+        of a run that holds some out): the scale the key noise is relative to."""
         total, count = 0.0, 0
-        for i in range(min(max_samples, len(self))):
+        chosen = range(len(self)) if indices is None else [int(i) for i in indices]
+        for i in chosen[:max_samples]:
             h = self.sample(i, limit)[2].double()
             total += float(h.square().sum())
             count += h.numel()
@@ -234,8 +244,8 @@ def plan_epoch(lengths: np.ndarray, *, batch_tokens: int, limit: int, seed: int,
         elif current:
             batches.append(current)
     if min_rows > 1 and sum(len(b) for b in batches) < min_rows:
-        raise ValueError(f"{len(lengths)} samples cannot give each of {min_rows} data-parallel ranks a row; "
-                         "use fewer workers or more data")
+        raise ValueError(f"{len(lengths)} samples cannot give each of {min_rows} data-parallel ranks (x "
+                         "--grad-accum micro-batches) a row; use fewer workers, a smaller --grad-accum or more data")
     return [batches[i] for i in rng.permutation(len(batches))]
 
 

@@ -144,6 +144,13 @@ def loss_runner(model: torch.nn.Module, ctx: DistContext) -> Callable[..., Any]:
     return DistributedDataParallel(_LossModule(model), device_ids=None, broadcast_buffers=False)
 
 
+def no_sync(run_loss: Callable[..., Any], *, last: bool) -> contextlib.AbstractContextManager:
+    """Around a micro-batch's forward and backward under gradient accumulation: DDP skips its gradient
+    all-reduce until the `last` micro-batch, whose backward reduces the accumulated gradients once."""
+    no_sync_of = getattr(run_loss, "no_sync", None)
+    return contextlib.nullcontext() if last or no_sync_of is None else no_sync_of()
+
+
 @dataclass(frozen=True)
 class StepStats:
     loss: float

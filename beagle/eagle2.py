@@ -151,6 +151,20 @@ def uniform_noise(states: Tensor, batch: Batch, width: float, generator: torch.G
     return states + (batch.noise(generator, draw=torch.rand) - 0.5) * width
 
 
+def _row_weights(batch: Batch) -> Tensor:
+    """[B, L] loss weight per row: row p predicts t_{p+1} (an assistant token); row 0 has no state."""
+    B, L = batch.input_ids.shape
+    weight = torch.zeros(B, L, device=batch.loss_mask.device)
+    weight[:, 1:-1] = batch.loss_mask[:, 2:].float()
+    return weight
+
+
+def eagle2_weights(batch: Batch, offset: int, settings) -> Tensor:
+    """[1] the summed row weights `eagle2_loss` normalises by (for gradient accumulation, as
+    `beagle.stages.stage1_weights`)."""
+    return _row_weights(batch).sum().reshape(1)
+
+
 def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, generator: torch.Generator | None = None
                 ) -> LossSums:
     """The EAGLE-2 training loss, with the trainer's stage-loss signature (offset unused: no windows).
@@ -160,8 +174,7 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
     true_states = fuse_key_states(model, batch.key_input(model.config.reads_key_states))                 # [B, L, d]
     states = uniform_noise(true_states, batch, settings.noise_std, generator)
     hidden = model.forward_sequence(batch.input_ids, states, batch.lengths)             # [B, L, d]
-    weight = torch.zeros(B, L, device=hidden.device)
-    weight[:, 1:-1] = batch.loss_mask[:, 2:].float()    # row p predicts t_{p+1}; row 0 has no state
+    weight = _row_weights(batch).to(hidden.device)
     depths = torch.ones(B * L, dtype=torch.long, device=hidden.device)
     return drafter_loss_sums(hidden.reshape(B * L, d), batch.hidden.reshape(B * L, d), weight.reshape(-1), depths,
                              loss_head(model), num_depths=1, depth_weights=None,

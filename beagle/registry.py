@@ -10,9 +10,9 @@ from typing import Callable, Protocol
 
 from torch import Tensor, nn
 
-from beagle.eagle2 import Eagle2Drafter, eagle2_loss
+from beagle.eagle2 import Eagle2Drafter, eagle2_loss, eagle2_weights
 from beagle.model import BeagleDrafter, DrafterConfig
-from beagle.stages import stage1_loss, stage2_loss
+from beagle.stages import stage1_loss, stage1_weights, stage2_loss, stage2_weights
 from beagle.state_beagle import StateBeagleDrafter
 
 
@@ -31,6 +31,7 @@ class Drafter(Protocol):
 
 
 StageLoss = Callable[..., object]   # (model, batch, offset, settings, generator) -> LossSums
+StageWeights = Callable[..., Tensor]  # (batch, offset, settings) -> [k] the loss's per-depth row-weight sums
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,15 @@ class DrafterForm:
     model_class: type[nn.Module]
     residual: str                                # DrafterConfig.residual the class takes
     losses: tuple[StageLoss, StageLoss]          # the loss of training stage 1 and of stage 2
+    weights: tuple[StageWeights, StageWeights]   # their denominators from the batch alone (gradient accumulation)
     backend: Callable[[nn.Module, bool], object]  # (drafter, concatenate) -> decoding backend (drafters.py)
     summary: str
 
     def stage_loss(self, stage: int) -> StageLoss:
         return self.losses[stage - 1]
+
+    def stage_weights(self, stage: int) -> StageWeights:
+        return self.weights[stage - 1]
 
     def build(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> nn.Module:
         return self.model_class(config, embed_tokens, lm_head)
@@ -58,12 +63,14 @@ def _backend(name: str) -> Callable[[nn.Module, bool], object]:
 
 
 FORMS: dict[str, DrafterForm] = {form.name: form for form in (
-    DrafterForm("beagle", BeagleDrafter, "embedding", (stage1_loss, stage2_loss), _backend("BeagleBackend"),
+    DrafterForm("beagle", BeagleDrafter, "embedding", (stage1_loss, stage2_loss), (stage1_weights, stage2_weights),
+                _backend("BeagleBackend"),
                 "Beagle as in the paper: the residual starts from the query's embedding (docs/method.md §1)"),
     DrafterForm("beagle-state", StateBeagleDrafter, "state", (stage1_loss, stage2_loss),
-                _backend("StateBeagleBackend"),
+                (stage1_weights, stage2_weights), _backend("StateBeagleBackend"),
                 "Beagle in engine form: the residual carries the previous state; exports to EAGLE-3 (§9)"),
-    DrafterForm("eagle2", Eagle2Drafter, "embedding", (eagle2_loss, eagle2_loss), _backend("Eagle2Backend"),
+    DrafterForm("eagle2", Eagle2Drafter, "embedding", (eagle2_loss, eagle2_loss), (eagle2_weights, eagle2_weights),
+                _backend("Eagle2Backend"),
                 "the EAGLE-2 baseline, teacher-forced in every stage (docs/method.md §7)"),
 )}
 

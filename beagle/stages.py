@@ -111,6 +111,32 @@ def stage1_loss(model: torch.nn.Module, batch: Batch, offset: int, settings: Sta
                              chunk_size=settings.vocab_chunk, compact=settings.compact_rows)
 
 
+def stage1_weights(batch: Batch, offset: int, settings: StageSettings) -> Tensor:
+    """[k] summed row weights per depth of `batch`: the denominators `stage1_loss` normalises by.
+
+    Why apart from the loss: gradient accumulation (`train --grad-accum`) must know the whole step's
+    denominators before the first micro-batch's backward; they depend on the loss mask alone."""
+    B, L = batch.input_ids.shape
+    weight = _row_weights(batch, offset, settings.window_size)                          # [B, L]
+    depths = depth(torch.arange(L, device=weight.device), settings.window_size, offset).expand(B, L)
+    return torch.zeros(settings.window_size, device=weight.device).index_add(0, depths.reshape(-1) - 1,
+                                                                             weight.reshape(-1))
+
+
+def _stage2_depth_weights(weight_all: Tensor, offset: int, settings: StageSettings) -> Tensor:
+    """[k] summed row weights of the simulated depths 1..s from the rows' weights [B, L] (0 beyond s)."""
+    L, k = weight_all.shape[1], settings.window_size
+    weight_sum = torch.zeros(k, device=weight_all.device)
+    for step in range(1, min(settings.simulation_steps, k) + 1):
+        weight_sum[step - 1] = weight_all[:, depth_positions(L, k, offset, step, weight_all.device)].sum()
+    return weight_sum
+
+
+def stage2_weights(batch: Batch, offset: int, settings: StageSettings) -> Tensor:
+    """[k] the denominators `stage2_loss` normalises by (see `stage1_weights`)."""
+    return _stage2_depth_weights(_row_weights(batch, offset, settings.window_size), offset, settings)
+
+
 StepReduce = Callable[[int, Tensor, Tensor], tuple[Tensor, ...]]
 
 
@@ -228,9 +254,7 @@ def stage2_loss(model: torch.nn.Module, batch: Batch, offset: int, settings: Sta
     B, L, d = batch.hidden.shape
     k = settings.window_size
     weight_all = _row_weights(batch, offset, k)                                 # [B, L]
-    weight_sum = torch.zeros(k, device=weight_all.device)
-    for step in range(1, min(settings.simulation_steps, k) + 1):
-        weight_sum[step - 1] = weight_all[:, depth_positions(L, k, offset, step, weight_all.device)].sum()
+    weight_sum = _stage2_depth_weights(weight_all, offset, settings)           # [k]
 
     def step_loss(step: int, q_pos: Tensor, hidden: Tensor) -> tuple[Tensor, ...]:
         sums = depth_sums(model.head_input(hidden).reshape(-1, d), batch.hidden[:, q_pos].reshape(-1, d),

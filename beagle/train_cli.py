@@ -54,6 +54,10 @@ def _layer_list(value: str | None) -> tuple[int, ...] | None:
               help="Instead of --batch-tokens: padded tokens per data-parallel rank (the global batch is this "
                    "times the number of ranks; samples default to this length).")
 @click.option("--max-length", type=int, help="Truncate samples to this many tokens. [batch-tokens]")
+@click.option("--grad-accum", type=int,
+              help="Gradient accumulation: split each batch's samples into G micro-batches, forward and backward "
+                   "one at a time, one optimizer step per batch (same update, 1/G of the activation memory; "
+                   "the paper's 16 x 2048 on one GPU: --batch-tokens 32768 --max-length 2048 --grad-accum 4). [1]")
 @click.option("--lr", type=float, help="Peak learning rate. [3e-5]")
 @click.option("--warmup-steps", type=int, help="Linear warm-up steps. [2000]")
 @click.option("--noise-std", type=float, help="Key noise std as a fraction of the states' RMS. [0.2]")
@@ -83,6 +87,14 @@ def _layer_list(value: str | None) -> tuple[int, ...] | None:
               help="Train the token loss over the N most frequent predicted tokens only (0: all). Several "
                    "times faster on CPU; the export records them and `eval` drafts over the same. [0]")
 @click.option("--checkpoint-every", type=int, help="Steps between checkpoints. [500]")
+@click.option("--val-samples", type=int,
+              help="Hold N samples of the stores out of training (chosen by --seed) and report their loss and "
+                   "offline acceptance per depth and tau in metrics.jsonl; with --val-store, N of that store. "
+                   "[0: no validation]")
+@click.option("--val-store",
+              help="Validate on this store (same target, other samples) instead of holding training samples out; "
+                   "all of it unless --val-samples N.")
+@click.option("--eval-every", type=int, help="Optimizer steps between validations; one also runs at the end. [500]")
 @click.option("--device", help="auto, cpu, cuda or cuda:N. [auto]")
 @click.option("--bf16/--no-bf16", default=None,
               help="bf16 autocast (weights and optimizer state stay fp32). [on where the hardware multiplies "
@@ -128,7 +140,9 @@ def train(stores: tuple[str, ...], run_dir: str, config_file: str | None, resume
         if bar is not None:
             bar.close()
     final = result.final_metrics or {}
-    click.echo(f"trained {result.steps} steps; final loss {final.get('loss', float('nan')):.4f}; "
+    held_out = "" if result.validation is None else (
+        f"; held-out loss {result.validation['loss']:.4f}, tau {result.validation['tau']:.3f}")
+    click.echo(f"trained {result.steps} steps; final loss {final.get('loss', float('nan')):.4f}{held_out}; "
                f"drafter in {result.run_dir / 'drafter'}")
 
 

@@ -37,7 +37,8 @@ class TrainConfig:
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length), the global batch under DDP
     rank_batch_tokens: int | None = None  # instead: tokens per data-parallel rank; global = this x world size
-    min_batch_rows: int = 1               # samples per batch at least; raised to the data-parallel world size
+    min_batch_rows: int = 1               # samples per batch at least; raised to world size x grad_accum
+    grad_accum: int = 1                   # micro-batches per optimizer step: each batch's rows split G ways
     max_length: int | None = None         # truncate samples; default batch_tokens
     lr: float = 3e-5
     warmup_steps: int = 2000
@@ -52,6 +53,10 @@ class TrainConfig:
     bf16: bool | None = None              # bf16 autocast; None: where the hardware runs it fast (beagle/precision.py)
     checkpoint_every: int = 500
     rms_samples: int = 64                 # samples read to measure the states' RMS for the noise
+    # held-out validation (beagle/validation.py)
+    val_samples: int = 0                  # N > 0: hold N samples out of training (by seed); with val_store: N of it
+    val_store: str | None = None          # a store of the same target to validate on instead (all of it when N = 0)
+    eval_every: int = 500                 # steps between validations (and one at the end)
 
     def __post_init__(self) -> None:
         checks = [
@@ -84,6 +89,12 @@ class TrainConfig:
             (self.vocab_chunk is None or self.vocab_chunk >= 1, "vocab_chunk must be >= 1"),
             (self.draft_vocab >= 0, "draft_vocab must be >= 0 (0 = the full vocabulary)"),
             (self.checkpoint_every >= 1, "checkpoint_every must be >= 1"),
+            (self.grad_accum >= 1, f"grad_accum={self.grad_accum} must be >= 1 (--grad-accum: micro-batches per "
+                                   "optimizer step; 1 = no accumulation)"),
+            (self.val_samples >= 0, f"val_samples={self.val_samples} must be >= 0 (--val-samples: samples held out "
+                                    "for validation; 0 = none)"),
+            (self.eval_every >= 1, f"eval_every={self.eval_every} must be >= 1 (--eval-every: optimizer steps "
+                                   "between validations)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -98,6 +109,11 @@ class TrainConfig:
             return self
         return replace(self, batch_tokens=self.rank_batch_tokens * world_size,
                        max_length=self.max_length or self.rank_batch_tokens)
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run holds samples out (or reads a validation store) and evaluates them."""
+        return self.val_samples > 0 or self.val_store is not None
 
     @property
     def sequence_limit(self) -> int:

@@ -1,7 +1,10 @@
 """The training loop: stage 1 epochs, then stage 2 epochs, one AdamW over both (docs/method.md).
 
 Reads stores by memory map (beagle.data), never Ray, never the target model. Writes under RUN/:
-run_config.json, metrics.jsonl (one line per step), checkpoints/, drafter/ (the export), curves.png.
+run_config.json, metrics.jsonl (one line per step, and one per validation: `"split": "val"`), checkpoints/,
+drafter/ (the export), curves.png. With `grad_accum` G each step's batch is split into G micro-batches whose
+gradients add up to the whole batch's; with `val_samples`/`val_store` held-out samples are evaluated every
+`eval_every` steps (beagle/validation.py).
 """
 from __future__ import annotations
 
@@ -12,29 +15,32 @@ import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from beagle import distributed
 from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from beagle.data import Loader, StoreSet, fingerprint, plan_epoch
+from beagle.data import Batch, Loader, StoreSet, fingerprint, plan_epoch
 from beagle.devices import pick_device
 from beagle.export import save_drafter
-from beagle.losses import LossSums
+from beagle.losses import LossResult, LossSums
 from beagle.model import DrafterConfig, restrict_loss_vocabulary
 from beagle.precision import autocast, keep_frozen_head_in, training_dtype
 from beagle.registry import build_drafter, form_for
 from beagle.stages import StageSettings
 from beagle.train_config import TrainConfig
+from beagle.validation import ValidationSet, evaluate, metrics_record, open_validation
 
 log = logging.getLogger(__name__)
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 # Settings a resumed run may change; everything else must match the run being continued.
-# bf16 may change: master weights and optimizer state are fp32 either way.
-_RESUMABLE_CHANGES = {"max_steps", "checkpoint_every", "device", "stage2_epochs", "bf16"}
+# bf16 may change: master weights and optimizer state are fp32 either way. eval_every only changes when the
+# held-out samples are scored; a moved copy of the validation store is checked by its dataset_id instead.
+_RESUMABLE_CHANGES = {"max_steps", "checkpoint_every", "device", "stage2_epochs", "bf16", "eval_every"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class TrainResult:
     run_dir: Path
     steps: int
     final_metrics: dict[str, Any] | None
+    validation: dict[str, Any] | None = None  # the last validation's metrics line, when the run validates
 
 
 def _phases(config: TrainConfig) -> list[int]:
@@ -68,20 +75,38 @@ def _check_resume(run_dir: Path, saved: dict[str, Any], data: StoreSet, config: 
                              f"({run_dir / RUN_CONFIG}); resume with the run's stores")
     old = TrainConfig.from_dict(saved["config"], source=str(run_dir / RUN_CONFIG))
     changed = {k for k, v in config.to_dict().items() if old.to_dict()[k] != v} - _RESUMABLE_CHANGES
+    if old.val_store is not None and config.val_store is not None:
+        changed.discard("val_store")  # the same store elsewhere is fine: _check_validation compares dataset_ids
     if changed:
         raise ValueError(f"--resume with changed settings {sorted(changed)}; a resumed run keeps the "
                          f"settings in {run_dir / RUN_CONFIG} (only {sorted(_RESUMABLE_CHANGES)} may change)")
     return config
 
 
-def _draft_vocabulary(data: StoreSet, config: TrainConfig, vocab_size: int) -> torch.Tensor | None:
+def _check_validation(run_dir: Path, saved: dict[str, Any], val: ValidationSet | None) -> None:
+    """A resumed run validates on the samples it validated on (the split is recomputed from the seed; this
+    catches a store whose samples changed under the same settings)."""
+    before, now = saved.get("validation"), None if val is None else val.record()
+    if before is None and now is None:
+        return
+    if before is None or now is None or before["dataset_ids"] != now["dataset_ids"] or \
+            before["indices"] != now["indices"]:
+        raise ValueError(f"--resume would validate on other samples than the run in {run_dir} did "
+                         f"({RUN_CONFIG}: {None if before is None else before['stores']}); resume with the same "
+                         "stores, --val-samples and --val-store, or start a new run in another --out")
+
+
+def _draft_vocabulary(data: StoreSet, config: TrainConfig, vocab_size: int,
+                      held_out: list[int] | None = None) -> torch.Tensor | None:
     """The reduced vocabulary the token loss is trained on (config.draft_vocab most frequent predicted
-    tokens of the stores), or None for the full vocabulary. Exported so `eval` drafts over the same."""
+    tokens of the stores' training samples), or None for the full vocabulary. Exported so `eval` drafts
+    over the same."""
     if not config.draft_vocab or config.draft_vocab >= vocab_size:
         return None
     from beagle.decoding.draft_vocab import frequent_tokens
 
-    return frequent_tokens(data.stores, config.draft_vocab, vocab_size)
+    exclude = data.per_store(held_out) if held_out else None
+    return frequent_tokens(data.stores, config.draft_vocab, vocab_size, exclude=exclude)
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
@@ -89,7 +114,7 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-             if ln.strip() and json.loads(ln)["step"] <= last_step]
+             if ln.strip() and json.loads(ln)["step"] <= last_step]  # validations at the checkpoint's step stay
     path.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
 
 
@@ -107,7 +132,7 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
         position = _train_epochs(run, on_step if ctx.is_main else None)
         if ctx.is_main:
             _finish_run(run, position, draw_curves)
-        return TrainResult(run.run_dir, run.step, run.last_metrics)
+        return TrainResult(run.run_dir, run.step, run.last_metrics, run.last_validation)
 
 
 @dataclass
@@ -127,10 +152,12 @@ class _Run:
     draft_tokens: torch.Tensor | None
     plans: list[list]                   # batch plan of each epoch
     total_steps: int
+    val: ValidationSet | None = None    # held-out samples, when the run validates
     step: int = 0
     start: tuple[int, int] = (0, 0)     # (epoch, batch) to continue from
     last_saved: int = -1
     last_metrics: dict[str, Any] | None = None
+    last_validation: dict[str, Any] | None = None
 
 
 def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume: bool, cache_dir: str | None,
@@ -143,22 +170,25 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
     checkpoint = latest_checkpoint(run_dir) if resume else None
     config = _check_run_dir(run_dir, config.for_world_size(ctx.world_size), data, resume=resume,
                             checkpoint=checkpoint)
+    train_indices, val = open_validation(data, config, world_size=ctx.world_size, rank=ctx.rank,
+                                         cache_dir=cache_dir, verify=verify_store)
+    if resume:
+        _check_validation(run_dir, json.loads((run_dir / RUN_CONFIG).read_text()), val)
     distributed.barrier(ctx)  # every rank has checked run_dir before rank 0 writes into it
     device = distributed.rank_device(pick_device(config.device), ctx)
     dtype = training_dtype(device, config.bf16)
-    model, drafter_config, draft_tokens = _build_drafter(data, config, device, dtype)
+    held_out = val.indices if val is not None and train_indices is not None else None
+    model, drafter_config, draft_tokens = _build_drafter(data, config, device, dtype, held_out)
     optimizer = build_optimizer(model, device, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    state_rms = data.state_rms(config.rms_samples, config.sequence_limit)
+    state_rms = data.state_rms(config.rms_samples, config.sequence_limit, indices=train_indices)
     if ctx.is_main:
-        _write_run_config(run_dir, config, data, drafter_config, state_rms, dtype)
-    plans = [plan_epoch(data.lengths, batch_tokens=config.batch_tokens, limit=config.sequence_limit,
-                        seed=config.seed, epoch=e, min_rows=max(config.min_batch_rows, ctx.world_size))
-             for e in range(len(_phases(config)))]
+        _write_run_config(run_dir, config, data, drafter_config, state_rms, dtype, val)
+    plans = _plans(data, config, train_indices, ctx.world_size)
     total = sum(len(p) for p in plans)
     run = _Run(run_dir, config, ctx, data, device, dtype, model, optimizer,
                torch.Generator(device=device).manual_seed(config.seed),
                StageSettings.from_config(config, state_rms, device),
-               draft_tokens, plans, total if config.max_steps is None else min(total, config.max_steps))
+               draft_tokens, plans, total if config.max_steps is None else min(total, config.max_steps), val)
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, generator=run.generator)
         run.step = run.last_saved = state["step"]
@@ -167,6 +197,18 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
             _trim_metrics(run_dir / METRICS, run.step)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", checkpoint, run.step, *run.start)
     return run
+
+
+def _plans(data: StoreSet, config: TrainConfig, train_indices: np.ndarray | None, world_size: int) -> list[list]:
+    """The batch plan of every epoch over the training samples (all of them, or all but the held-out
+    ones). Every batch has a row for each rank's each micro-batch."""
+    lengths = data.lengths if train_indices is None else data.lengths[train_indices]
+    plans = [plan_epoch(lengths, batch_tokens=config.batch_tokens, limit=config.sequence_limit, seed=config.seed,
+                        epoch=e, min_rows=max(config.min_batch_rows, world_size * config.grad_accum))
+             for e in range(len(_phases(config)))]
+    if train_indices is None:
+        return plans
+    return [[[int(train_indices[i]) for i in batch] for batch in plan] for plan in plans]
 
 
 def _check_run_dir(run_dir: Path, config: TrainConfig, data: StoreSet, *, resume: bool,
@@ -181,8 +223,8 @@ def _check_run_dir(run_dir: Path, config: TrainConfig, data: StoreSet, *, resume
     return config
 
 
-def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dtype: torch.dtype
-                   ) -> tuple[torch.nn.Module, DrafterConfig, torch.Tensor | None]:
+def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dtype: torch.dtype,
+                   held_out: list[int] | None = None) -> tuple[torch.nn.Module, DrafterConfig, torch.Tensor | None]:
     """The drafter on `device` with the target's frozen head, seeded; its loss head is restricted to
     the draft vocabulary when one is asked for, and kept once in the training dtype."""
     drafter_config = replace(DrafterConfig.from_architecture(data.target["architecture"]), key_layers=data.key_layers,
@@ -194,7 +236,7 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
     torch.manual_seed(config.seed)
     form = form_for(config.drafter, config.residual)
     model = build_drafter(form, drafter_config, head["embed_tokens"].float(), head["lm_head"].float()).to(device)
-    draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size)
+    draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size, held_out)
     if draft_tokens is not None:
         restrict_loss_vocabulary(model, draft_tokens)
     keep_frozen_head_in(model, dtype)
@@ -202,12 +244,13 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
 
 
 def _write_run_config(run_dir: Path, config: TrainConfig, data: StoreSet, drafter_config: DrafterConfig,
-                      state_rms: float, dtype: torch.dtype) -> None:
+                      state_rms: float, dtype: torch.dtype, val: ValidationSet | None = None) -> None:
     run_info = {
         "config": config.to_dict(), "stores": data.urls, "dataset_ids": data.dataset_ids,
         "target": fingerprint(data.target), "drafter": drafter_config.to_dict(),
         "state_rms": state_rms, "noise_std_relative": config.noise_std,
         "noise_std_absolute": config.noise_std * state_rms, "precision": str(dtype).removeprefix("torch."),
+        **({} if val is None else {"validation": val.record()}),
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RUN_CONFIG).write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
@@ -231,9 +274,7 @@ def _train_epochs(run: _Run, on_step: Callable[[dict[str, Any], int], None] | No
             epoch = position[0]
             loss_fn = _stage_loss(run.config, phases[epoch])
             position = (epoch + 1, 0)  # where to go if this epoch has no batch left
-            for batch_index, batch, wait in Loader(run.data, run.plans[epoch], limit=run.config.sequence_limit,
-                                                   start=start_batch, shard=(run.ctx.rank, run.ctx.world_size),
-                                                   device=run.device):
+            for batch_index, batch, wait in _step_batches(run, epoch, start_batch):
                 if run.step >= run.total_steps:
                     position = (epoch, batch_index)
                     break
@@ -243,6 +284,19 @@ def _train_epochs(run: _Run, on_step: Callable[[dict[str, Any], int], None] | No
                 _log_step(run, metrics, metrics_file, on_step, position)
             start_batch = 0
     return position
+
+
+def _step_batches(run: _Run, epoch: int, start: int) -> Iterator[tuple[int, list[Batch], float]]:
+    """(batch index, this rank's micro-batches of it, seconds waited for them) from batch `start` on.
+
+    The global batch's rows are cut into world_size x grad_accum contiguous slices, padded to its longest
+    sample (beagle.distributed's rank slicing, once more per micro-batch): micro-batch m of rank r is
+    slice r·G + m. One loader per micro-batch, each reading its slice of the next batch ahead."""
+    parts, rank, world = run.config.grad_accum, run.ctx.rank, run.ctx.world_size
+    loaders = [Loader(run.data, run.plans[epoch], limit=run.config.sequence_limit, start=start,
+                      shard=(rank * parts + m, world * parts), device=run.device) for m in range(parts)]
+    for items in zip(*loaders):
+        yield items[0][0], [batch for _, batch, _ in items], sum(wait for _, _, wait in items)
 
 
 def build_optimizer(model: torch.nn.Module, device: torch.device, *, lr: float,
@@ -255,25 +309,30 @@ def build_optimizer(model: torch.nn.Module, device: torch.device, *, lr: float,
                              fused=fused or None)
 
 
-def _optimizer_step(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Callable[..., LossSums], batch: Any,
-                    wait: float, *, stage: int, epoch: int) -> dict[str, Any]:
-    """One optimizer step on one (global) batch; returns its metrics line."""
+def _optimizer_step(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Callable[..., LossSums],
+                    batch: Batch | list[Batch], wait: float, *, stage: int, epoch: int) -> dict[str, Any]:
+    """One optimizer step on one (global) batch, given as this rank's micro-batches of it (or its one
+    slice); returns its metrics line."""
     config, ctx = run.config, run.ctx
     t0 = time.perf_counter()
-    batch = batch.to(run.device)
+    batches = [b.to(run.device) for b in (batch if isinstance(batch, list) else [batch])]
     offset = window_offset(config.seed, run.step, config.window_size)
     lr = _learning_rate(config, run.step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    with autocast(run.device, run.dtype):
-        sums = run_loss(loss_fn, batch, offset, run.settings, run.generator)
-    result = sums.finish(distributed.global_sum)  # normalised by the global batch's row weights
     run.optimizer.zero_grad(set_to_none=True)
-    (result.loss * ctx.world_size).backward()  # DDP averages gradients over ranks
+    if len(batches) == 1:
+        with autocast(run.device, run.dtype):
+            sums = run_loss(loss_fn, batches[0], offset, run.settings, run.generator)
+        result = sums.finish(distributed.global_sum)  # normalised by the global batch's row weights
+        (result.loss * ctx.world_size).backward()  # DDP averages gradients over ranks
+    else:
+        result = _accumulate(run, run_loss, loss_fn, batches, offset, stage)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
     run.optimizer.step()
     run.step += 1
-    stats = distributed.step_stats(result, batch.tokens, ctx, grad_norm)  # the global batch's; the one sync
+    tokens = sum(b.tokens for b in batches)
+    stats = distributed.step_stats(result, tokens, ctx, grad_norm)  # the global batch's; the one sync
     busy = time.perf_counter() - t0 + wait
     return {
         "step": run.step, "stage": stage, "epoch": epoch, "loss": stats.loss,
@@ -283,6 +342,32 @@ def _optimizer_step(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Calla
         "grad_norm": stats.grad_norm, "tokens_per_s": stats.tokens / max(busy, 1e-9),
         "data_wait_fraction": wait / max(busy, 1e-9),
     }
+
+
+def _accumulate(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Callable[..., LossSums],
+                batches: list[Batch], offset: int, stage: int) -> LossResult:
+    """Forward and backward each micro-batch, gradients summing to the whole batch's; returns the batch's
+    loss terms (sums of the micro-batches', each normalised by the whole batch's row weights).
+
+    Why it equals one pass over the batch: the loss is a weighted mean whose denominators (row weights per
+    depth) depend on the loss mask alone, so they are summed over the micro-batches (and ranks) before any
+    forward; the generator is rewound for each micro-batch, which draws the key noise of the whole batch and
+    keeps its own rows (Batch.noise), so each row gets the noise it gets without accumulation. Under DDP the
+    gradient all-reduce runs once, in the last micro-batch's backward."""
+    weights_of = form_for(run.config.drafter, run.config.residual).stage_weights(stage)
+    total = distributed.global_sum(sum(weights_of(b, offset, run.settings) for b in batches))  # [k]
+    start = run.generator.get_state()
+    parts: list[LossResult] = []
+    for index, micro in enumerate(batches):
+        run.generator.set_state(start)
+        with distributed.no_sync(run_loss, last=index == len(batches) - 1):
+            with autocast(run.device, run.dtype):
+                sums = run_loss(loss_fn, micro, offset, run.settings, run.generator)
+            result = sums.finish(lambda _: total)
+            (result.loss * run.ctx.world_size).backward()
+        parts.append(result)
+    return LossResult(*(torch.stack([getattr(p, name).detach() for p in parts]).sum(0)
+                        for name in ("loss", "token_loss", "regression_loss", "correct", "count")))
 
 
 def window_offset(seed: int, step: int, window_size: int) -> int:
@@ -298,15 +383,35 @@ def _learning_rate(config: TrainConfig, step: int) -> float:
 
 def _log_step(run: _Run, metrics: dict[str, Any], metrics_file: Any,
               on_step: Callable[[dict[str, Any], int], None] | None, position: tuple[int, int]) -> None:
-    """Append the metrics line, report progress, and checkpoint when due (rank 0 only)."""
+    """Append the metrics line, report progress, validate when due (every rank), and checkpoint when due
+    (rank 0 only). The validation line is written before the checkpoint of its step, so a resume from that
+    checkpoint keeps it."""
     run.last_metrics = metrics
     if metrics_file is not None:
         metrics_file.write(json.dumps(metrics) + "\n")
         metrics_file.flush()
     if on_step is not None:
         on_step(metrics, run.total_steps)
+    if run.val is not None and (run.step % run.config.eval_every == 0 or run.step == run.total_steps):
+        _validate(run, metrics_file, stage=metrics["stage"], epoch=metrics["epoch"])
     if run.ctx.is_main and (run.step % run.config.checkpoint_every == 0 or run.step == run.total_steps):
         _save(run, position)
+
+
+def _validate(run: _Run, metrics_file: Any, *, stage: int, epoch: int) -> None:
+    """Score the held-out samples with this stage's loss and the offline chain of window_size drafts."""
+    t0 = time.perf_counter()
+    result = evaluate(run.model, run.val, loss_fn=_stage_loss(run.config, stage), settings=run.settings,
+                      depth=run.config.window_size, lm_head=run.model.lm_head,
+                      vocab=None if run.draft_tokens is None else run.draft_tokens.to(run.device),
+                      device=run.device, dtype=run.dtype, limit=run.config.sequence_limit, ctx=run.ctx)
+    record = metrics_record(result, step=run.step, stage=stage, epoch=epoch, seconds=time.perf_counter() - t0)
+    run.last_validation = record
+    log.info("step %d validation: loss %.4f, tau %.3f over %d samples", run.step, record["loss"], record["tau"],
+             record["samples"])
+    if metrics_file is not None:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
 
 
 def _save(run: _Run, position: tuple[int, int]) -> None:

@@ -1,11 +1,8 @@
-"""Offline chain acceptance of a drafter on stored target states, the same rule for Beagle and EAGLE-2.
+"""Offline chain acceptance for the bench scripts: the estimator itself is `beagle.offline_acceptance`
+(also what `train --val-samples` reports), so τ here and in a run's metrics.jsonl are one rule.
 
-For every root n of held-out samples the drafter drafts a chain of `depth` tokens from the true states
-h_0..h_n, feeding back its own states. Depth j is accepted when its draft top-1 equals the target's
-greedy token argmax LMHead(h_{n+j}) and every shallower depth was accepted; we also require that greedy
-token to be the data token, so the chain stays on the stored sequence (whose states we have).
-τ = 1 + mean accepted length (bonus token included), α_j = accepted at j ÷ accepted at j-1.
-It needs no target model and no decoding loop, so both drafters are measured identically.
+What stays here is bench-only: reading a store by URL, scoring an exported drafter, and the depth-1
+guessers of bench/depth1.py (a bigram table, a drafter with ablated keys) scored by the chain's depth-1 rule.
 """
 from __future__ import annotations
 
@@ -15,99 +12,20 @@ from typing import Callable
 import torch
 
 from beagle.data import Batch, StoreSet, collate
-from beagle.eagle2 import Eagle2Drafter
 from beagle.export import load_drafter
-from beagle.model import BeagleDrafter, fuse_key_states
-from beagle.stages import StageSettings, simulate
-
-
-def _top1(model, hidden: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
-    """Draft top-1 token ids [B, L] from states [B, L, d], over `vocab` [N] only when given."""
-    if vocab is None:
-        return model.logits(hidden).argmax(-1)
-    return vocab[(model.head_input(hidden) @ model.lm_head[vocab].to(hidden.dtype).T).argmax(-1)]
-
-
-def _beagle_chain_tokens(model: BeagleDrafter, batch, depth: int, vocab=None) -> dict[int, torch.Tensor]:
-    """{offset: draft top-1 [B, L] where row p holds the token drafted at p's depth in windows of `depth`}."""
-    settings = StageSettings(window_size=depth, simulation_steps=depth,
-                             noise_std=0.0, regression_weight=10.0, vocab_chunk=8192, recompute=False)
-    out = {}
-    for offset in range(depth):
-        tokens = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
-        for _, q_pos, (hidden,) in simulate(model, batch, offset, settings):
-            tokens[:, q_pos] = _top1(model, hidden, vocab)
-        out[offset] = tokens
-    return out
-
-
-def _eagle2_chain_tokens(model: Eagle2Drafter, batch, depth: int, vocab=None) -> dict[int, torch.Tensor]:
-    """Same layout for EAGLE-2: at step j every row p drafts depth j for the root n = p - j."""
-    B, L, d = batch.hidden.shape
-    pos = torch.arange(L)
-    positions = pos.expand(B, L)
-    true = fuse_key_states(model, batch.key_input(model.config.reads_key_states))                  # [B, L, d]
-    previous = torch.cat([true.new_zeros(B, 1, d), true[:, :-1]], dim=1)
-    true_z = model.fuse(batch.input_ids, previous)
-    k0, v0 = model.project_fused(true_z, positions)
-    keys, values = [k0], [v0]
-    parent = previous
-    per_step = []
-    for step in range(1, depth + 1):
-        z = model.fuse(batch.input_ids, parent)
-        k, v = model.project_fused(z, positions)
-        keys.append(k)
-        values.append(v)
-        blocks = [(pos[None, :] <= pos[:, None] - step) & (pos[None, :] >= 1)]
-        blocks += [pos[None, :] == pos[:, None] - step + i for i in range(1, step + 1)]
-        valid = (pos[None, :] < batch.lengths[:, None]).repeat(1, step + 1)
-        mask = torch.cat(blocks, dim=1)[None, None] & valid[:, None, None, :]
-        hidden = model.attend(z, positions, torch.cat(keys, 2), torch.cat(values, 2), mask)  # [B, L, d]
-        per_step.append(_top1(model, hidden, vocab))
-        parent = torch.cat([hidden.new_zeros(B, 1, d), hidden[:, :-1]], dim=1)   # row p's parent: row p-1
-    out = {}
-    for offset in range(depth):
-        tokens = torch.full((B, L), -1, dtype=torch.long)
-        for step in range(1, depth + 1):
-            rows = torch.arange((offset + step - 1) % depth, L, depth)
-            tokens[:, rows] = per_step[step - 1][:, rows]
-        out[offset] = tokens
-    return out
+from beagle.model import BeagleDrafter
+from beagle.offline_acceptance import beagle_chain_tokens, store_acceptance
 
 
 @torch.inference_mode()
 def chain_acceptance(model, store_url: str, *, depth: int = 5, samples: int = 16, limit: int = 512,
                      first: int = 0, vocab: torch.Tensor | None = None) -> tuple[float, list[float]]:
-    """(τ, [α_1..α_depth]) over `samples` samples of the store starting at index `first`; `vocab` [N]
-    restricts drafting to a reduced vocabulary (as `eval` does for a drafter trained with one)."""
+    """(τ, [α_1..α_depth]) over `samples` samples of the store starting at index `first` (wrapping around);
+    `vocab` [N] restricts drafting to a reduced vocabulary (as `eval` does for a drafter trained with one)."""
     data = StoreSet([store_url], key_layers=model.config.key_layers)
-    head = data.load_head()
     indices = [i % len(data) for i in range(first, first + samples)]
-    accepted = [0] * (depth + 1)
-    roots = 0
-    lengths = []
-    for i in indices:
-        batch = collate([data.sample(i, limit)])
-        L = int(batch.lengths[0])
-        greedy = (batch.hidden @ head["lm_head"].float().T).argmax(-1)[0]           # [L]: target's next token
-        on_data = torch.zeros(L, dtype=torch.bool)
-        on_data[:-1] = greedy[:-1] == batch.input_ids[0, 1:]
-        chains = (_eagle2_chain_tokens if isinstance(model, Eagle2Drafter) else _beagle_chain_tokens)(
-            model, batch, depth, vocab)
-        for offset, drafted in chains.items():
-            for n in range(offset - 1, L - depth - 1, depth):
-                if n < 0:
-                    continue
-                roots += 1
-                a = 0
-                while a < depth and drafted[0, n + a + 1] == greedy[n + a + 1] and on_data[n + a + 1]:
-                    a += 1
-                lengths.append(a)
-                for j in range(a + 1):
-                    accepted[j] += 1
-    tau = 1.0 + sum(lengths) / max(1, len(lengths))
-    alphas = [accepted[j] / accepted[j - 1] if accepted[j - 1] else 0.0 for j in range(1, depth + 1)]
-    return tau, alphas
+    result = store_acceptance(model, data, indices, depth=depth, limit=limit, vocab=vocab)
+    return result.tau, result.alphas
 
 
 Predictor = Callable[[int, Batch], torch.Tensor]  # (sample index, its batch) -> draft ids [L]: row p guesses t_{p+1}
@@ -169,7 +87,7 @@ def beagle_depth1_predictor(model: BeagleDrafter, vocab: torch.Tensor | None = N
     def predict(index: int, batch: Batch) -> torch.Tensor:
         if keys is not None:
             batch = dataclasses.replace(batch, hidden=keys(index, batch))
-        return _beagle_chain_tokens(model, batch, 1, vocab)[0][0]
+        return beagle_chain_tokens(model, batch, 1, vocab)[0][0]
     return predict
 
 

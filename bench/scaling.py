@@ -199,7 +199,9 @@ def store_facts(stores: list[Path]) -> dict:
 
 def run_steps(run: Path) -> int:
     metrics = run / "metrics.jsonl"
-    return sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+    if not metrics.is_file():
+        return 0
+    return sum(1 for line in metrics.read_text().splitlines() if line.strip() and '"split": "val"' not in line)
 
 
 class Evaluator:

@@ -72,8 +72,9 @@ def launch(stores: list[str], run_dir: str | Path, config: Any, *, num_workers: 
         final = dict(result.metrics or {})
         metrics = run_dir / "metrics.jsonl"  # rank 0's log, when the driver shares its file system
         if not final and metrics.is_file():
-            lines = metrics.read_text(encoding="utf-8").splitlines()
-            last = json.loads(lines[-1]) if lines else {}
+            lines = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = [m for m in lines if m.get("split", "train") == "train"]  # not the validation lines
+            last = lines[-1] if lines else {}
             final = {"steps": last.get("step"), "loss": last.get("loss")}
         return final
     finally:

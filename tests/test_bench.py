@@ -3,7 +3,8 @@ GPU check's dry run."""
 import pytest
 import torch
 
-from bench.acceptance import chain_acceptance, _eagle2_chain_tokens
+from bench.acceptance import chain_acceptance
+from beagle.offline_acceptance import eagle2_chain_tokens
 from bench.common import record
 from bench.run_all import BEGIN, END, render, write_docs
 from beagle.data import StoreSet, collate
@@ -48,7 +49,7 @@ def test_offline_eagle2_chain_matches_the_decode_time_cache(tmp_path):
     batch = collate([data.sample(0, 100)])
     depth, n = 3, 5
     with torch.no_grad():
-        offline = _eagle2_chain_tokens(model, batch, depth)[(n + 1) % depth][0]
+        offline = eagle2_chain_tokens(model, batch, depth)[(n + 1) % depth][0]
         cache = Eagle2KeyCache(model)
         ids, states = batch.input_ids[0], batch.hidden[0]
         cache.append(states[:n + 1], torch.arange(n + 1), ids[:n + 1])

@@ -19,16 +19,21 @@ from beagle.errors import SettingsError
 logger = logging.getLogger(__name__)
 
 
-def frequent_tokens(stores: list, size: int, vocab_size: int, always: set[int] = frozenset()) -> Tensor:
+def frequent_tokens(stores: list, size: int, vocab_size: int, always: set[int] = frozenset(),
+                    exclude: list[set[int]] | None = None) -> Tensor:
     """The `size` tokens most often predicted (loss-masked positions) in the stores (URLs or opened
     FeatureStores), plus `always` ids. Deterministic: ties go to the smaller id, so the trainer and
-    `eval` pick the same tokens from the same stores."""
+    `eval` pick the same tokens from the same stores. `exclude`: per store, sample indices not counted
+    (a run's held-out validation samples)."""
     from pipeline.store import open_store
 
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for store in stores:
+    for number, store in enumerate(stores):
         store = open_store(store) if isinstance(store, str) else store
+        skip = exclude[number] if exclude else set()
         for index in range(len(store)):
+            if index in skip:
+                continue
             ids, mask = store.get_tokens(index)
             ids, mask = np.asarray(ids), np.asarray(mask).astype(bool)
             counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]

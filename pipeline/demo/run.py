@@ -260,6 +260,7 @@ def summarize(size: DemoSize, out: Path, results: list[StepResult]) -> dict:
     counts = store.manifest.get("counts", {})
     store_bytes = sum(p.stat().st_size for p in (out / "store").rglob("*") if p.is_file())
     steps = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in steps if m.get("split", "train") == "train"]  # validation lines are not steps
     evaluation = json.loads((out / "eval.json").read_text()) if (out / "eval.json").is_file() else {}
     speed_path = out / f"eval-{size.speed_dtype}.json"
     speed = json.loads(speed_path.read_text()) if size.speed_dtype and speed_path.is_file() else None
