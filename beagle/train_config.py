@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from beagle.errors import SettingsError
+
 
 DRAFTERS = ("beagle", "eagle2")          # beagle.registry.TRAINABLE; with residual="state" beagle is beagle-state
 RESIDUALS = ("embedding", "state")
@@ -98,7 +100,7 @@ class TrainConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(f"invalid training config: {message}")
+                raise SettingsError(f"invalid training config: {message}")
 
     def for_world_size(self, world_size: int) -> "TrainConfig":
         """The settings a run of `world_size` data-parallel ranks trains with. With `rank_batch_tokens` the
@@ -131,7 +133,7 @@ class TrainConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"{source}: unknown training option(s) {unknown}; valid keys: {sorted(names)}")
+            raise SettingsError(f"{source}: unknown training option(s) {unknown}; valid keys: {sorted(names)}")
         d = dict(d)
         if "betas" in d:
             d["betas"] = tuple(float(b) for b in d["betas"])
@@ -148,7 +150,7 @@ def load_config_file(path: str | Path) -> TrainConfig:
     """Read a TOML (.toml) or JSON file into TrainConfig; unknown keys are an error."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} not found")
+        raise SettingsError(f"--config {path}: file not found")
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix == ".json":
@@ -158,7 +160,7 @@ def load_config_file(path: str | Path) -> TrainConfig:
 
             data = tomllib.loads(text)
     except ValueError as exc:  # JSONDecodeError and TOMLDecodeError are both ValueErrors
-        raise ValueError(f"{path}: cannot parse ({exc}); use TOML (.toml) or JSON (.json)") from exc
+        raise SettingsError(f"{path}: cannot parse ({exc}); use TOML (.toml) or JSON (.json)") from exc
     if isinstance(data.get("train"), dict) and len(data) == 1:  # allow a [train] table
         data = data["train"]
     return TrainConfig.from_dict(data, source=str(path))

@@ -24,6 +24,7 @@ from beagle import distributed
 from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from beagle.data import Batch, Loader, StoreSet, fingerprint, plan_epoch
 from beagle.devices import pick_device
+from beagle.errors import RunStateError
 from beagle.export import save_drafter
 from beagle.losses import LossResult, LossSums
 from beagle.model import DrafterConfig, restrict_loss_vocabulary
@@ -59,26 +60,26 @@ def _phases(config: TrainConfig) -> list[int]:
 def _check_resume(run_dir: Path, saved: dict[str, Any], data: StoreSet, config: TrainConfig) -> TrainConfig:
     fp, old_fp = fingerprint(data.target), saved["target"]
     if fp != old_fp:
-        raise ValueError(f"store target {fp} differs from the run's target {old_fp} in {run_dir / RUN_CONFIG}; "
+        raise RunStateError(f"store target {fp} differs from the run's target {old_fp} in {run_dir / RUN_CONFIG}; "
                          "resume with the stores the run started from")
     if data.dataset_ids != saved.get("dataset_ids", data.dataset_ids):
         # Another store of the same target would continue the batch plan over other samples, and the run's
         # record would name only the new store, dropping what the steps so far trained on.
-        raise ValueError(f"--resume with stores {data.urls} (dataset_ids {[i[:12] for i in data.dataset_ids]}), but "
+        raise RunStateError(f"--resume with stores {data.urls} (dataset_ids {[i[:12] for i in data.dataset_ids]}), but "
                          f"the run in {run_dir} trained on {saved.get('stores')} (dataset_ids "
                          f"{[str(i)[:12] for i in saved['dataset_ids']]}); resume with the same --store list, in "
                          "the same order (moved copies are fine), or start a new run in another --out")
     arch, old_arch = data.target["architecture"], saved["drafter"]
     for key in ("hidden_size", "vocab_size"):
         if int(arch[key]) != int(old_arch[key]):
-            raise ValueError(f"store {key}={arch[key]} differs from the run's {key}={old_arch[key]} "
+            raise RunStateError(f"store {key}={arch[key]} differs from the run's {key}={old_arch[key]} "
                              f"({run_dir / RUN_CONFIG}); resume with the run's stores")
     old = TrainConfig.from_dict(saved["config"], source=str(run_dir / RUN_CONFIG))
     changed = {k for k, v in config.to_dict().items() if old.to_dict()[k] != v} - _RESUMABLE_CHANGES
     if old.val_store is not None and config.val_store is not None:
         changed.discard("val_store")  # the same store elsewhere is fine: _check_validation compares dataset_ids
     if changed:
-        raise ValueError(f"--resume with changed settings {sorted(changed)}; a resumed run keeps the "
+        raise RunStateError(f"--resume with changed settings {sorted(changed)}; a resumed run keeps the "
                          f"settings in {run_dir / RUN_CONFIG} (only {sorted(_RESUMABLE_CHANGES)} may change)")
     return config
 
@@ -91,7 +92,7 @@ def _check_validation(run_dir: Path, saved: dict[str, Any], val: ValidationSet |
         return
     if before is None or now is None or before["dataset_ids"] != now["dataset_ids"] or \
             before["indices"] != now["indices"]:
-        raise ValueError(f"--resume would validate on other samples than the run in {run_dir} did "
+        raise RunStateError(f"--resume would validate on other samples than the run in {run_dir} did "
                          f"({RUN_CONFIG}: {None if before is None else before['stores']}); resume with the same "
                          "stores, --val-samples and --val-store, or start a new run in another --out")
 
@@ -119,10 +120,13 @@ def _trim_metrics(path: Path, last_step: int) -> None:
 
 
 def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume: bool = False,
-          on_step: Callable[[dict[str, Any], int], None] | None = None, draw_curves: bool = True,
+          on_step: Callable[[dict[str, Any], int], None] | None = None,
+          on_finish: Callable[[Path], None] | None = None,
           cache_dir: str | None = None, verify_store: bool = True) -> TrainResult:
     """Train a drafter on `stores` into `run_dir`. `on_step(metrics, total_steps)` is called after each
-    optimizer step (the CLI drives a progress bar with it). `cache_dir` caches remote stores' files.
+    optimizer step (the CLI drives a progress bar with it), `on_finish(run_dir)` once the drafter is
+    exported (the CLI draws the curves with it: the library draws nothing). `cache_dir` caches remote
+    stores' files.
 
     Under torchrun or Ray Train every rank calls this; DDP over disjoint slices of each global batch
     (beagle.distributed), and only rank 0 writes run files and calls `on_step`."""
@@ -131,7 +135,9 @@ def train(stores: list[str], run_dir: str | Path, config: TrainConfig, *, resume
                          verify_store=verify_store)
         position = _train_epochs(run, on_step if ctx.is_main else None)
         if ctx.is_main:
-            _finish_run(run, position, draw_curves)
+            _finish_run(run, position)
+            if on_finish is not None:
+                on_finish(run.run_dir)
         return TrainResult(run.run_dir, run.step, run.last_metrics, run.last_validation)
 
 
@@ -214,10 +220,10 @@ def _plans(data: StoreSet, config: TrainConfig, train_indices: np.ndarray | None
 def _check_run_dir(run_dir: Path, config: TrainConfig, data: StoreSet, *, resume: bool,
                    checkpoint: Path | None) -> TrainConfig:
     if resume and checkpoint is None:
-        raise ValueError(f"--resume given but {run_dir}/checkpoints holds no complete checkpoint; "
+        raise RunStateError(f"--resume given but {run_dir}/checkpoints holds no complete checkpoint; "
                          "drop --resume to start a new run")
     if not resume and (run_dir / RUN_CONFIG).exists():
-        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
+        raise RunStateError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --out")
     if resume:
         return _check_resume(run_dir, json.loads((run_dir / RUN_CONFIG).read_text()), data, config)
     return config
@@ -420,8 +426,8 @@ def _save(run: _Run, position: tuple[int, int]) -> None:
     run.last_saved = run.step
 
 
-def _finish_run(run: _Run, position: tuple[int, int], draw_curves: bool) -> None:
-    """Rank 0: a final checkpoint if the last step has none, the drafter export, and the curves."""
+def _finish_run(run: _Run, position: tuple[int, int]) -> None:
+    """Rank 0: a final checkpoint if the last step has none, and the drafter export."""
     if run.last_saved != run.step:
         _save(run, position)
     save_drafter(run.run_dir / "drafter", run.model, metadata={
@@ -430,6 +436,3 @@ def _finish_run(run: _Run, position: tuple[int, int], draw_curves: bool) -> None
         "simulation_steps": run.config.simulation_steps, "precision": str(run.dtype).removeprefix("torch."),
         **({} if run.draft_tokens is None else {"draft_vocab": run.draft_tokens.tolist()}),
     })
-    if draw_curves:
-        from beagle.curves import draw_curves as draw
-        draw(run.run_dir / METRICS, run.run_dir / "curves.png")

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from beagle import distributed
 from beagle.data import StoreSet, collate, fingerprint
+from beagle.errors import SettingsError
 from beagle.losses import DepthSums, LossSums
 from beagle.offline_acceptance import Acceptance, batch_acceptance
 from beagle.precision import autocast
@@ -75,7 +76,7 @@ def plan_validation(data: StoreSet, indices: list[int], *, window_size: int, bud
     samples of one offset are packed by `budget` tokens; batches are split until there are `min_batches`
     (one per rank, so every rank takes part in the reduction with the loss's own shapes)."""
     if len(indices) < min_batches:
-        raise ValueError(f"--val-samples {len(indices)} is fewer than the {min_batches} data-parallel ranks; "
+        raise SettingsError(f"--val-samples {len(indices)} is fewer than the {min_batches} data-parallel ranks; "
                          f"hold out at least {min_batches} samples (each rank evaluates a share)")
     lengths = np.minimum(data.lengths, limit)
     batches, offsets = [], []
@@ -106,7 +107,7 @@ def open_validation(data: StoreSet, config: TrainConfig, *, world_size: int, ran
     if config.val_store is None:
         n = len(data)
         if config.val_samples >= n:
-            raise ValueError(f"--val-samples {config.val_samples} leaves no training sample: the stores hold {n} "
+            raise SettingsError(f"--val-samples {config.val_samples} leaves no training sample: the stores hold {n} "
                              f"samples; hold out fewer (at most {n - 1}) or pass a separate --val-store")
         held = holdout_indices(n, config.val_samples, config.seed)
         train = np.setdiff1d(np.arange(n), held)
@@ -115,14 +116,14 @@ def open_validation(data: StoreSet, config: TrainConfig, *, world_size: int, ran
     val = StoreSet([config.val_store], cache_dir=cache_dir, verify=verify, key_layers=data.key_layers,
                    verify_share=(rank, world_size))
     if fingerprint(val.target) != fingerprint(data.target):
-        raise ValueError(f"--val-store {config.val_store} comes from target {fingerprint(val.target)}, the training "
+        raise SettingsError(f"--val-store {config.val_store} comes from target {fingerprint(val.target)}, the training "
                          f"stores from {fingerprint(data.target)}; validate on a store of the same target")
     if val.dataset_ids[0] in data.dataset_ids:
-        raise ValueError(f"--val-store {config.val_store} is one of the training stores (dataset_id "
+        raise SettingsError(f"--val-store {config.val_store} is one of the training stores (dataset_id "
                          f"{val.dataset_ids[0][:12]}); pass a store of other samples, or --val-samples N alone "
                          "to hold N training samples out")
     if config.val_samples > len(val):
-        raise ValueError(f"--val-samples {config.val_samples} exceeds the {len(val)} samples of --val-store "
+        raise SettingsError(f"--val-samples {config.val_samples} exceeds the {len(val)} samples of --val-store "
                          f"{config.val_store}; pass at most {len(val)} (or 0 for all of them)")
     count = config.val_samples or len(val)
     held = holdout_indices(len(val), count, config.seed) if count < len(val) else list(range(len(val)))

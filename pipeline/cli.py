@@ -20,7 +20,7 @@ _COMMANDS: dict[str, str] = {
     "verify": "pipeline.commands.store:verify",
     "merge": "pipeline.commands.store:merge",
     "ls": "pipeline.commands.store:list_stores_command",
-    "train": "pipeline.train_cli:train",
+    "train": "pipeline.commands.train:train",
     "eval": "pipeline.commands.eval:evaluate",
     "export": "pipeline.commands.export:export",
 }

@@ -71,7 +71,7 @@ def test_extract_train_and_eval_equal_plain_decoding(family, tmp_path, data, ray
                                         out=str(store), dtype="float32", max_length=128, num_workers=1,
                                         address=ray_address))
     assert summary.samples == 4 and summary.rejected == 0
-    train([str(store)], tmp_path / "run", TrainConfig(**TRAIN), draw_curves=False)
+    train([str(store)], tmp_path / "run", TrainConfig(**TRAIN))
     prompts = data["text_prompts" if base else "chat_prompts"]
     for shape in (["--chain", "--depth", "3"], ["--tree", "--depth", "3", "--top-k", "3", "--total-tokens", "8"]):
         report = tmp_path / f"eval-{shape[0]}.json"

@@ -35,8 +35,8 @@ def test_precision_default_follows_the_hardware_and_the_flag_decides():
 
 @pytest.mark.slow
 def test_bf16_on_cpu_learns_like_fp32_and_its_export_drafts_in_both_dtypes(store, tmp_path):
-    fp32 = train([store], tmp_path / "fp32", TrainConfig(**FAST, bf16=False), draw_curves=False)
-    bf16 = train([store], tmp_path / "bf16", TrainConfig(**FAST, bf16=True), draw_curves=False)
+    fp32 = train([store], tmp_path / "fp32", TrainConfig(**FAST, bf16=False))
+    bf16 = train([store], tmp_path / "bf16", TrainConfig(**FAST, bf16=True))
     assert json.loads((tmp_path / "bf16" / "run_config.json").read_text())["precision"] == "bfloat16"
     assert json.loads((tmp_path / "fp32" / "run_config.json").read_text())["precision"] == "float32"
     assert bf16.steps == fp32.steps == FAST["max_steps"]

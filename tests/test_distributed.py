@@ -100,7 +100,7 @@ def _assert_same_run(single: Path, multi: Path) -> None:
 @pytest.fixture(scope="module")
 def single_run(store, tmp_path_factory):
     run = tmp_path_factory.mktemp("single") / "run"
-    result = train([store], run, TrainConfig(**SMALL), draw_curves=False)
+    result = train([store], run, TrainConfig(**SMALL))
     assert result.steps == STEPS
     return run
 
@@ -113,7 +113,7 @@ def test_torchrun_two_gloo_ranks_match_one_process(store, single_run, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), "-m", "beagle.train_cli", "--store", store, "--out", str(run),
+         "--master-port", str(_free_port()), "-m", "pipeline.commands.train", "--store", store, "--out", str(run),
          "--config", str(config), "--no-progress",
          # each rank's budget: 2 ranks x 80 = the one-process run's 160-token batches, samples up to 160
          "--rank-batch-tokens", "80", "--max-length", "160"],
@@ -184,7 +184,7 @@ def test_rank_batch_tokens_scale_the_global_batch_with_the_ranks():
     assert TrainConfig(rank_batch_tokens=512, max_length=300).for_world_size(4).max_length == 300
     assert TrainConfig(batch_tokens=1000).for_world_size(8).batch_tokens == 1000  # the global batch, as given
     from click.testing import CliRunner
-    from beagle.train_cli import train as train_command
+    from pipeline.commands.train import train as train_command
     result = CliRunner().invoke(train_command, ["--store", "s", "--out", "o", "--batch-tokens", "4096",
                                                 "--rank-batch-tokens", "512"])
     assert result.exit_code != 0 and "--batch-tokens and --rank-batch-tokens both given" in result.output

@@ -11,7 +11,7 @@ from beagle.eagle2 import Eagle2Drafter, Eagle2KeyCache, causal_mask, eagle2_los
 from beagle.export import load_drafter
 from beagle.model import DrafterConfig
 from beagle.stages import StageSettings
-from beagle.train_cli import train as train_command
+from pipeline.commands.train import train as train_command
 from beagle.train_config import TrainConfig
 from tests.tiny_store import build_tiny_store
 

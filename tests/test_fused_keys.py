@@ -117,7 +117,7 @@ def test_multi_layer_store_trains_exports_and_decodes_exactly(tmp_path, drafter_
     the fused drafter equals plain decoding, chain and tree."""
     store = build_tiny_store(tmp_path / "store", num_samples=12, layers=(1, -1))
     run = tmp_path / "run"
-    train([store], run, TrainConfig(**FAST, drafter=drafter_type), draw_curves=False)
+    train([store], run, TrainConfig(**FAST, drafter=drafter_type))
     meta = json.loads((run / "drafter" / "config.json").read_text())
     assert meta["key_layers"] == [1, -1] and meta["drafter_type"] == drafter_type
 

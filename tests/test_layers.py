@@ -1,8 +1,8 @@
 """One-way layers, enforced by import-linter (contracts in .importlinter).
 
-pipeline.store at the bottom (no torch, no Ray, nothing else of this project), beagle above it (only
-pipeline.store from this project, never Ray), the application layer (extract, regenerate, demo, CLIs, Ray
-launch, jobs) on top. Function-level imports count: a lazy `import torch` inside the store breaks it too.
+pipeline.store at the bottom (no torch, no Ray, no click/tqdm/matplotlib, nothing else of this project),
+beagle above it (only pipeline.store from this project, never Ray, no click/tqdm/matplotlib), the
+application layer (commands, extract, regenerate, demo, Ray launch, jobs) on top. Function-level imports count: a lazy `import torch` inside the store breaks it too.
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ PROBES = {
     "store imports beagle": ("pipeline/store/_probe.py", "def f():\n    import beagle.model\n"),
     "beagle imports ray": ("beagle/_probe.py", "def f():\n    import ray\n"),
     "beagle imports the application": ("beagle/_probe.py", "def f():\n    import pipeline.ray_session\n"),
+    "beagle imports click": ("beagle/_probe.py", "def f():\n    import click\n"),
+    "store imports matplotlib": ("pipeline/store/_probe.py", "def f():\n    import matplotlib.pyplot\n"),
 }
 
 

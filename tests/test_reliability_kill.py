@@ -75,7 +75,7 @@ def _train_in_process(*args: str) -> None:
     """The same CLI in this process, on one thread like the killed subprocess (bitwise-equal floats)."""
     import torch
 
-    from beagle.train_cli import train
+    from pipeline.commands.train import train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

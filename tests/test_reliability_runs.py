@@ -75,7 +75,7 @@ def test_resume_refuses_other_stores_of_the_same_target(tmp_path):
         for store in stores:
             command += ["--store", store]
         result = CliRunner().invoke(cli_main, command)
-        assert result.exit_code == 2, result.output
+        assert result.exit_code == 1, result.output  # a state error, not a usage one
         assert "--resume with stores" in result.output and "the run in" in result.output, result.output
         assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     moved = shutil.move(first, tmp_path / "moved")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from beagle.train_cli import train as train_command
+from pipeline.commands.train import train as train_command
 from pipeline.cli import main as cli_main
 from beagle.store_tensors import open_store
 from pipeline.extract.store_tensors import write_store

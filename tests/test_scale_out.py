@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from pipeline.train_cli import train as train_command
+from pipeline.commands.train import train as train_command
 from beagle.train_config import TrainConfig
 from beagle.trainer import train
 from tests.tiny_store import build_tiny_store
@@ -38,7 +38,7 @@ def test_training_from_a_memory_store_with_a_cache_dir(remote_store, tmp_path):
     assert "trained 3 steps" in result.output
     cached = [p for p in cache.rglob("*") if p.is_file()]
     assert cached, "the remote store's files should have been cached locally"
-    train([local], tmp_path / "local-run", TrainConfig(**SMALL), draw_curves=False)
+    train([local], tmp_path / "local-run", TrainConfig(**SMALL))
     a = load_file(str(tmp_path / "remote" / "drafter" / "model.safetensors"))
     b = load_file(str(tmp_path / "local-run" / "drafter" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)  # same data, same run

@@ -84,7 +84,7 @@ def test_training_from_s3_through_a_local_cache(s3_store, tmp_path):
     cache = tmp_path / "cache"
     result = train([url], tmp_path / "run", TrainConfig(max_steps=2, batch_tokens=128, window_size=2,
                                                           simulation_steps=1, device="cpu"),
-                   cache_dir=str(cache), draw_curves=False)
+                   cache_dir=str(cache))
     assert result.steps == 2
     assert any(p.is_file() for p in cache.rglob("*"))
 

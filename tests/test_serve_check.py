@@ -131,7 +131,7 @@ def test_vllm_serves_a_trained_drafter_and_accepts_what_our_eval_accepts(tmp_pat
         train([str(store)], run, TrainConfig(
             residual="state", batch_tokens=1024, lr=3e-3, warmup_steps=10, window_size=3, simulation_steps=2,
             stage1_epochs=20, stage2_epochs=20, max_steps=200, vocab_chunk=512, checkpoint_every=10_000,
-            bf16=False, device="cpu"), draw_curves=False)
+            bf16=False, device="cpu"))
         lap("train")
         _cli("export", str(run), "--format", "eagle3", "--target", str(target_dir), "--out", str(engine))
         assert json.loads((engine / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [n - 1]

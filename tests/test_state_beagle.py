@@ -205,7 +205,7 @@ def test_state_form_trains_exports_and_decodes_exactly(tmp_path, draft_vocab):
     greedy decoding equals plain decoding, chain and tree, over the full or a reduced draft vocabulary."""
     store = build_tiny_store(tmp_path / "store", num_samples=12, layers=(1, -1))
     run = tmp_path / "run"
-    train([store], run, TrainConfig(**FAST, draft_vocab=draft_vocab), draw_curves=False)
+    train([store], run, TrainConfig(**FAST, draft_vocab=draft_vocab))
     meta = json.loads((run / "drafter" / "config.json").read_text())
     assert (meta["drafter_type"], meta["residual"], meta["key_layers"]) == ("beagle-state", "state", [1])
     target = tiny_target(0)

@@ -13,9 +13,10 @@ from safetensors.torch import load_file
 from beagle.data import StoreSet, collate
 from beagle.export import load_drafter
 from beagle.model import BeagleDrafter, DrafterConfig
-from beagle.train_cli import train as train_command
+from pipeline.commands.train import train as train_command
 from beagle.train_config import TrainConfig, load_config_file
 from beagle.trainer import train
+from pipeline.commands.curves import draw_run_curves
 from tests.tiny_store import build_tiny_store
 
 FAST = dict(batch_tokens=160, lr=3e-3, warmup_steps=3, window_size=3, simulation_steps=2,
@@ -34,7 +35,7 @@ def _losses(run: Path) -> list[float]:
 @pytest.mark.slow
 def test_loss_falls_on_a_tiny_store(store, tmp_path):
     config = TrainConfig(**{**FAST, "stage1_epochs": 16, "stage2_epochs": 0, "max_steps": 40})
-    result = train([store], tmp_path / "run", config, draw_curves=False)
+    result = train([store], tmp_path / "run", config)
     losses = _losses(tmp_path / "run")
     assert result.steps == len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
@@ -48,12 +49,12 @@ def test_loss_falls_on_a_tiny_store(store, tmp_path):
 def test_resume_matches_an_uninterrupted_run(store, tmp_path):
     """Both stages; the interrupted run 'crashes' after step 10 with its last checkpoint at step 8."""
     config = TrainConfig(**{**FAST, "batch_tokens": 80, "stage1_epochs": 1, "stage2_epochs": 1})
-    full = train([store], tmp_path / "full", config, draw_curves=False)
+    full = train([store], tmp_path / "full", config)
     assert {json.loads(x)["stage"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()} == {1, 2}
     part = tmp_path / "part"
-    train([store], part, config.override(max_steps=10), draw_curves=False)
+    train([store], part, config.override(max_steps=10))
     shutil.rmtree(part / "checkpoints" / "step-00000010")       # lines 9..10 must be recomputed
-    resumed = train([store], part, config, resume=True, draw_curves=False)
+    resumed = train([store], part, config, resume=True)
     assert resumed.steps == full.steps > 12
     assert _losses(part) == _losses(tmp_path / "full")
     a = load_file(str(tmp_path / "full" / "drafter" / "model.safetensors"))
@@ -64,8 +65,8 @@ def test_resume_matches_an_uninterrupted_run(store, tmp_path):
 @pytest.mark.slow
 def test_export_reload_gives_identical_logits(store, tmp_path):
     run = tmp_path / "run"
-    train([store], run, TrainConfig(**{**FAST, "max_steps": 5}))
-    assert (run / "curves.png").stat().st_size > 0
+    train([store], run, TrainConfig(**{**FAST, "max_steps": 5}), on_finish=draw_run_curves)
+    assert (run / "curves.png").stat().st_size > 0  # drawn by the command's hook: the library draws nothing
     meta = json.loads((run / "drafter" / "config.json").read_text())
     data = StoreSet([store])
     assert meta["drafter_type"] == "beagle" and meta["dataset_ids"] == data.dataset_ids
@@ -93,7 +94,7 @@ def test_refuses_mixed_targets_and_resume_on_another_target(store, tmp_path):
     with pytest.raises(ValueError, match="different targets.*tiny-llama-0.*tiny-llama-1"):
         train([store, other], tmp_path / "mixed", TrainConfig(**FAST))
     run = tmp_path / "run"
-    train([store], run, TrainConfig(**{**FAST, "max_steps": 2}), draw_curves=False)
+    train([store], run, TrainConfig(**{**FAST, "max_steps": 2}))
     with pytest.raises(ValueError, match="differs from the run's target"):
         train([other], run, TrainConfig(**{**FAST, "max_steps": 4}), resume=True)
     wide = build_tiny_store(tmp_path / "c", num_samples=4, hidden_size=32, intermediate_size=64)
@@ -141,7 +142,7 @@ def test_training_imports_neither_ray_nor_transformers(store, tmp_path):
     code = (
         "import sys\n"
         "from beagle.trainer import train\n"
-        "from beagle.train_cli import train as cli\n"
+        "from pipeline.commands.train import train as cli\n"
         "from beagle.train_config import TrainConfig\n"
         f"train([{store!r}], {str(tmp_path / 'run')!r}, TrainConfig(max_steps=2, batch_tokens=160))\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'transformers'))\n"
@@ -159,7 +160,7 @@ def test_a_reduced_draft_vocabulary_trains_the_token_loss_on_it_and_is_exported(
     from beagle.stages import StageSettings, stage1_loss
 
     config = TrainConfig(**{**FAST, "stage1_epochs": 1, "stage2_epochs": 1, "max_steps": 6, "draft_vocab": 20})
-    train([store], tmp_path / "run", config, draw_curves=False)
+    train([store], tmp_path / "run", config)
     exported = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
     data = StoreSet([store])
     tokens = frequent_tokens(data.stores, 20, data.target["architecture"]["vocab_size"])

@@ -19,10 +19,11 @@ from beagle import distributed, trainer
 from beagle.data import StoreSet, collate
 from beagle.offline_acceptance import batch_acceptance, store_acceptance
 from beagle.registry import FORMS
-from beagle.train_cli import train as train_command
+from pipeline.commands.train import train as train_command
 from beagle.train_config import TrainConfig
 from beagle.trainer import train
 from tests.tiny_store import build_tiny_store
+from pipeline.commands.curves import draw_run_curves
 
 ROOT = Path(__file__).parent.parent
 FAST = dict(batch_tokens=160, lr=3e-3, warmup_steps=3, window_size=3, simulation_steps=2, checkpoint_every=4,
@@ -133,7 +134,7 @@ def test_held_out_samples_never_reach_a_training_batch(store, tmp_path, monkeypa
 
     monkeypatch.setattr(StoreSet, "sample", recording)
     config = TrainConfig(**{**FAST, "val_samples": 5, "eval_every": 2, "stage1_epochs": 2})
-    train([store], tmp_path / "run", config, draw_curves=False)
+    train([store], tmp_path / "run", config)
     recorded = json.loads((tmp_path / "run" / "run_config.json").read_text())["validation"]
     held = set(recorded["indices"])
     assert len(held) == 5 and recorded["held_out"] and recorded["samples"] == 5
@@ -150,11 +151,11 @@ def test_validation_lines_survive_a_resume_and_match_an_uninterrupted_run(store,
     there, its end) with its last checkpoint at 4, so steps 5..7 and the validations at 6 and 7 are dropped and
     the resumed run validates at 6 and at its own end again."""
     config = TrainConfig(**{**FAST, "batch_tokens": 80, "val_samples": 4, "eval_every": 3})
-    full = train([store], tmp_path / "full", config, draw_curves=True)
+    full = train([store], tmp_path / "full", config, on_finish=draw_run_curves)
     part = tmp_path / "part"
-    train([store], part, config.override(max_steps=7), draw_curves=False)
+    train([store], part, config.override(max_steps=7))
     shutil.rmtree(part / "checkpoints" / "step-00000007")
-    resumed = train([store], part, config, resume=True, draw_curves=False)
+    resumed = train([store], part, config, resume=True)
     assert resumed.steps == full.steps > 8
     lines, resumed_lines = _lines(tmp_path / "full"), _lines(part)
     val = [m for m in lines if m.get("split") == "val"]
@@ -179,7 +180,7 @@ def test_the_trainers_tau_is_the_bench_estimators_on_the_held_out_samples(tmp_pa
 
     url = build_tiny_store(tmp_path / "s8", num_samples=12, min_len=10, max_len=30, vocab_size=8)
     config = TrainConfig(**{**FAST, "stage1_epochs": 20, "max_steps": 40, "val_samples": 4, "eval_every": 40})
-    result = train([url], tmp_path / "run", config, draw_curves=False)
+    result = train([url], tmp_path / "run", config)
     data = StoreSet([url])
     head = data.load_head()
     model, _ = load_drafter(tmp_path / "run" / "drafter", embed_tokens=head["embed_tokens"], lm_head=head["lm_head"])
@@ -216,7 +217,7 @@ def test_bad_flags_are_refused_with_the_flag_and_the_fix(store, other_store, tmp
 @pytest.mark.slow
 def test_a_resume_with_another_split_is_refused(store, tmp_path):
     run = tmp_path / "run"
-    train([store], run, TrainConfig(**{**FAST, "max_steps": 2, "val_samples": 3}), draw_curves=False)
+    train([store], run, TrainConfig(**{**FAST, "max_steps": 2, "val_samples": 3}))
     with pytest.raises(ValueError, match=r"changed settings \['val_samples'\]"):
         train([store], run, TrainConfig(**{**FAST, "max_steps": 4, "val_samples": 4}), resume=True)
     record = json.loads((run / "run_config.json").read_text())
@@ -243,11 +244,11 @@ def test_two_torchrun_ranks_accumulating_and_validating_match_one_process(store,
                 "eval_every": 2, "bf16": False}
     config = tmp_path / "train.json"
     config.write_text(json.dumps(settings))
-    single = train([store], tmp_path / "single", TrainConfig(**settings), draw_curves=False)
+    single = train([store], tmp_path / "single", TrainConfig(**settings))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(_free_port()), "-m", "beagle.train_cli", "--store", store, "--out",
+         "--master-port", str(_free_port()), "-m", "pipeline.commands.train", "--store", store, "--out",
          str(tmp_path / "ddp"), "--config", str(config), "--no-progress"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -73,3 +73,8 @@ def _draw_acceptance(ax, val: list[dict]) -> None:
     tau = ax.twinx()
     tau.plot(steps, [r["tau"] for r in val], "s-", color="black", markersize=3, linewidth=1.5)
     tau.set_ylabel("τ (black)")
+
+
+def draw_run_curves(run_dir: str | Path) -> Path:
+    """RUN/curves.png from RUN/metrics.jsonl (what `train` draws once the drafter is exported)."""
+    return draw_curves(Path(run_dir) / "metrics.jsonl", Path(run_dir) / "curves.png")
