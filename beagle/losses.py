@@ -28,12 +28,13 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
 # Vocabulary rows per soft cross-entropy chunk, by device type. On a CPU [N, 1024] blocks stay in cache: bf16
 # training ran 8,526 tokens/s against 5,366 at 8,192 (bench/train.py, 2 AMX cores); a GPU prefers fewer, larger
 # kernels.
-DEFAULT_VOCAB_CHUNK = {"cpu": 1024, "cuda": 8192}
+GPU_VOCAB_CHUNK = 8192
+DEFAULT_VOCAB_CHUNK = {"cpu": 1024, "cuda": GPU_VOCAB_CHUNK}
 
 
 def default_vocab_chunk(device: torch.device | None) -> int:
     """The chunk `train` uses on `device` unless told `--vocab-chunk` (CPU when None)."""
-    return DEFAULT_VOCAB_CHUNK.get("cpu" if device is None else device.type, 8192)
+    return DEFAULT_VOCAB_CHUNK.get("cpu" if device is None else device.type, GPU_VOCAB_CHUNK)
 
 
 def _chunk_softmax(rows: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -107,7 +108,7 @@ def _first_argmax(chunk_tops: list[Tensor], chunk_args: list[Tensor]) -> Tensor:
 
 
 def soft_cross_entropy(hidden: Tensor, target_hidden: Tensor, lm_head: Tensor,
-                       chunk_size: int = 8192) -> tuple[Tensor, Tensor, Tensor]:
+                       chunk_size: int = GPU_VOCAB_CHUNK) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row soft CE between LMHead(hidden) and softmax(LMHead(target_hidden)).
 
     hidden, target_hidden [N, d]; lm_head [V, d] (frozen). Returns (loss [N], draft argmax [N],

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from beagle.data import Batch, StoreSet, collate
 from beagle.eagle2 import Eagle2Drafter
+from beagle.losses import GPU_VOCAB_CHUNK
 from beagle.model import fuse_key_states
 from beagle.stages import StageSettings, simulate
 
@@ -82,7 +83,8 @@ def beagle_chain_tokens(model: nn.Module, batch: Batch, depth: int, vocab: Tenso
     Training's stage-2 simulation without noise, once per window offset: every root of a sample is a
     window start for exactly one offset. Both Beagle forms (the state residual carries its own state)."""
     settings = StageSettings(window_size=depth, simulation_steps=depth,
-                             noise_std=0.0, regression_weight=10.0, vocab_chunk=8192, recompute=False)
+                             noise_std=0.0, regression_weight=10.0, vocab_chunk=GPU_VOCAB_CHUNK,
+                             recompute=False)  # no loss is computed: the chunk is never used
     out = {}
     for offset in range(depth):
         tokens = torch.full(batch.input_ids.shape, -1, dtype=torch.long, device=batch.input_ids.device)

@@ -185,7 +185,7 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
     dtype = training_dtype(device, config.bf16)
     held_out = val.indices if val is not None and train_indices is not None else None
     model, drafter_config, draft_tokens = _build_drafter(data, config, device, dtype, held_out)
-    optimizer = build_optimizer(model, device, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    optimizer = build_optimizer(model, device, config)
     state_rms = data.state_rms(config.rms_samples, config.sequence_limit, indices=train_indices)
     if ctx.is_main:
         _write_run_config(run_dir, config, data, drafter_config, state_rms, dtype, val)
@@ -305,13 +305,13 @@ def _step_batches(run: _Run, epoch: int, start: int) -> Iterator[tuple[int, list
         yield items[0][0], [batch for _, batch, _ in items], sum(wait for _, _, wait in items)
 
 
-def build_optimizer(model: torch.nn.Module, device: torch.device, *, lr: float,
-                    betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 0.01) -> torch.optim.AdamW:
-    """AdamW over the drafter's (fp32) parameters, in torch's fused kernel on CPUs and GPUs (one pass over each
-    parameter instead of several). One builder for the trainer and bench/train.py, so the bench steps as the
-    trainer does; on 2 CPU cores the fused kernel measured within noise of the default (docs/benchmarks.md)."""
+def build_optimizer(model: torch.nn.Module, device: torch.device, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the drafter's (fp32) parameters with the config's lr, betas and weight decay (said once, in
+    TrainConfig), in torch's fused kernel on CPUs and GPUs (one pass over each parameter instead of several).
+    One builder for the trainer and bench/train.py, so the bench steps as the trainer does; on 2 CPU cores the
+    fused kernel measured within noise of the default (docs/benchmarks.md)."""
     fused = device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay,
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
                              fused=fused or None)
 
 

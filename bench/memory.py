@@ -25,6 +25,7 @@ from bench.ttt import ttt_loss  # noqa: E402
 from beagle.data import Batch  # noqa: E402
 from beagle.decoding.drafters import draft_backend  # noqa: E402
 from beagle.eagle2 import Eagle2Drafter, eagle2_loss  # noqa: E402
+from beagle.losses import GPU_VOCAB_CHUNK  # noqa: E402
 from beagle.model import BeagleDrafter, DrafterConfig  # noqa: E402
 from beagle.stages import StageSettings, stage1_loss, stage2_loss  # noqa: E402
 from beagle.state_beagle import StateBeagleDrafter  # noqa: E402
@@ -91,7 +92,7 @@ def engine_form_records(batch: Batch, cfg: DrafterConfig, key_layers: tuple[int,
     both = Batch(batch.input_ids, batch.loss_mask, batch.hidden, batch.lengths, key_states=key_states)
     eagle_batch = both if n > 1 else batch
     settings = StageSettings(window_size=5, simulation_steps=4, noise_std=0.2, regression_weight=10.0,
-                             vocab_chunk=8192, recompute=True)
+                             vocab_chunk=GPU_VOCAB_CHUNK, recompute=True)
     state_batch = both if n > 1 else Batch(batch.input_ids, batch.loss_mask, batch.hidden, batch.lengths,
                                            key_states=key_states)
     train_state = max(measure(state, state_batch, fn, settings, device) for fn in (stage1_loss, stage2_loss))
@@ -135,7 +136,7 @@ def main() -> None:
     for name, fn, recompute in (("stage 2", stage2_loss, True), ("stage 2 no recompute", stage2_loss, False),
                                 ("EAGLE-3 style TTT", ttt_loss, False)):
         rows[name] = [measure(model, batch, fn, StageSettings(window_size=5, simulation_steps=s, noise_std=0.2,
-                                                              regression_weight=10.0, vocab_chunk=8192,
+                                                              regression_weight=10.0, vocab_chunk=GPU_VOCAB_CHUNK,
                                                               recompute=recompute), device)
                       for s in (1, 2, 3, 4)]
         print(f"{name:<22}" + "".join(f"{b / 2**20:>10.1f}" for b in rows[name]) + "  MiB at s=1..4")

@@ -30,6 +30,7 @@ from beagle.losses import default_vocab_chunk  # noqa: E402
 from beagle.model import BeagleDrafter, DrafterConfig, restrict_loss_vocabulary  # noqa: E402
 from beagle.precision import cpu_has_native_bf16, keep_frozen_head_in  # noqa: E402
 from beagle.stages import StageSettings, stage1_loss, stage2_loss  # noqa: E402
+from beagle.train_config import TrainConfig  # noqa: E402
 from beagle.trainer import build_optimizer  # noqa: E402
 from bench.common import emit, record  # noqa: E402
 from bench.profiling import count_saved_bytes  # noqa: E402
@@ -60,7 +61,7 @@ def _batch(cfg: DrafterConfig, B: int, L: int, device: torch.device) -> Batch:
 
 def _measure(model, batch, loss_fn, settings, device, autocast, repeats):
     """(median seconds per optimizer step, memory bytes)."""
-    opt = build_optimizer(model, device, lr=1e-5)  # as the trainer steps
+    opt = build_optimizer(model, device, TrainConfig(lr=1e-5))  # as the trainer steps: its betas, decay
     times, memory = [], 0
     for i in range(repeats + 1):
         if device.type == "cuda":
