@@ -4,7 +4,7 @@ Ray Train's TorchTrainer sets up the torch.distributed process group (gloo on CP
 worker; every worker then calls `beagle.trainer.train`, which finds the group and runs DDP over disjoint
 slices of each global batch (beagle.distributed). It lives in the application layer, not in `beagle`,
 which never imports Ray; `pipeline.commands.train` imports it only when --num-workers is given: plain `train`
-never loads Ray. Ray is joined or started by `pipeline.ray_session.connect_ray`, like extract's.
+never loads Ray. Ray is joined or started by `pipeline.jobkit.ray_session.connect_ray`, like extract's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.ray_session import connect_ray
+from pipeline.jobkit.ray_session import connect_ray
 
 log = logging.getLogger(__name__)
 

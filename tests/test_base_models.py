@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from beagle.export import save_drafter
 from beagle.prompts import load_prompts, render
 from pipeline.cli import main
-from pipeline.extract.chat import load_tokenizer
+from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.pipeline import ExtractConfig, dry_run
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import RegenerateConfig, run_regenerate

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenize_record
+from pipeline.extract.chat import has_generation_markers, tokenize_record
+from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.inputs import Record, RejectRecord
 from tests.tiny import build_tokenizer
 

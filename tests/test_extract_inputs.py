@@ -143,7 +143,7 @@ def test_a_json_array_is_read_element_by_element_across_any_block_boundary(tmp_p
     """.json arrays are streamed (bounded memory), so every block boundary must parse as json.load does."""
     import random
 
-    from pipeline.extract.inputs import json_array_items
+    from pipeline.jobkit.records import json_array_items
 
     rng = random.Random(0)
 

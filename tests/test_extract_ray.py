@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.extract.chat import load_tokenizer, tokenize_record
+from pipeline.extract.chat import tokenize_record
+from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.inputs import Record
 from pipeline.extract.pipeline import ExtractConfig, run_extract
 from beagle.store_tensors import open_store
@@ -250,14 +251,3 @@ def test_resume_after_sigkill_of_the_driver_and_of_an_actor(ray_address, workspa
     store = open_store(str(out))
     assert [store[i]["sample_id"] for i in range(len(store))] == [f"m{i}" for i in range(120)]
     assert verify_store(str(out)).ok
-
-
-def test_a_slow_shard_is_not_killed_by_ray_datas_no_progress_timeout():
-    """A shard is one task that may run for longer than Ray Data's 30-minute no-progress guard (long samples on
-    a CPU, a starved actor); the guard once killed a scaling-study extraction. Our jobs turn it off."""
-    import ray.data
-
-    from pipeline.ray_session import configure_ray_data
-
-    configure_ray_data()
-    assert ray.data.DataContext.get_current().execution_no_progress_timeout_s == -1

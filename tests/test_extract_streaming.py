@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.extract.chat import load_tokenizer
+from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.inputs import read_inputs, scan_inputs, stream_inputs
 from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from tests.tiny import build_target

@@ -40,7 +40,7 @@ PROBES = {
     "store imports the application": ("pipeline/store/_probe.py", "def f():\n    from pipeline.extract import cli\n"),
     "store imports beagle": ("pipeline/store/_probe.py", "def f():\n    import beagle.model\n"),
     "beagle imports ray": ("beagle/_probe.py", "def f():\n    import ray\n"),
-    "beagle imports the application": ("beagle/_probe.py", "def f():\n    import pipeline.ray_session\n"),
+    "beagle imports the application": ("beagle/_probe.py", "def f():\n    import pipeline.jobkit.ray_session\n"),
     "beagle imports click": ("beagle/_probe.py", "def f():\n    import click\n"),
     "store imports matplotlib": ("pipeline/store/_probe.py", "def f():\n    import matplotlib.pyplot\n"),
 }

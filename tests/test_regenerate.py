@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from beagle.prompts import render
 from pipeline.cli import main
-from pipeline.extract.chat import load_tokenizer
+from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.pipeline import ExtractConfig, dry_run
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import (RegenerateConfig, manifest_path, partial_dir, rejects_path, run_regenerate)
@@ -180,6 +180,47 @@ def test_sigkill_of_the_driver_then_a_rerun_equals_an_uninterrupted_run(workspac
     assert not work.exists()
 
 
+def test_the_driver_reads_only_the_chunks_in_flight_before_the_first_one_is_committed(workspace, ray_address,
+                                                                                      tmp_path, monkeypatch):
+    """The prompts are streamed: when the first chunk is written, the driver has read at most the chunks the
+    actors may hold (one actor, two in flight) and the one it was forming, not the 40 prompts. A driver that
+    read every record first (`list(stream)`, as regenerate once did) fails this."""
+    from pipeline.jobkit.record_stream import RecordStream
+    from pipeline.regenerate import job
+    from pipeline.store import atomic
+
+    data = tmp_path / "forty.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}?"}) + "\n" for i in range(40)))
+    read, at_first_commit = [], []
+
+    class Counted(RecordStream):
+        def __iter__(self):
+            for record in super().__iter__():
+                read.append(record.sample_id)
+                yield record
+
+    def counted_stream(*args, **kwargs):
+        stream = real_stream(*args, **kwargs)
+        stream.__class__ = Counted
+        return stream
+
+    def watched_write(path, text, **kwargs):
+        if Path(path).name.startswith("chunk-") and not at_first_commit:
+            at_first_commit.append(len(read))
+        real_write(path, text, **kwargs)
+
+    real_stream, real_write = job.stream_prompts, atomic.write_text
+    monkeypatch.setattr(job, "stream_prompts", counted_stream)
+    monkeypatch.setattr(atomic, "write_text", watched_write)
+    config = _config(workspace, tmp_path / "answers.jsonl")
+    config = RegenerateConfig(**{**config.__dict__, "data": (str(data),), "generate": GenerateConfig(
+        **{**config.generate.__dict__, "max_new_tokens": 2})})
+    summary = run_regenerate(config)
+    assert summary.conversations == 40 and len(read) == 40
+    chunk_size, in_flight = config.chunk_size, 2 * config.num_workers
+    assert at_first_commit and at_first_commit[0] <= (in_flight + 1) * chunk_size, at_first_commit
+
+
 def test_unfinished_work_from_other_settings_is_refused(workspace, ray_address):
     out = workspace["root"] / "other.jsonl"
     work = partial_dir(str(out))
@@ -194,7 +235,7 @@ def test_a_second_job_into_the_same_output_is_refused(workspace, tmp_path):
     """While one job holds OUT.lock (flock; here this test holds it), another stops at once, naming it."""
     import fcntl
 
-    from pipeline.regenerate.job import lock_path
+    from pipeline.jobkit.outputs import lock_path
 
     out = tmp_path / "busy.jsonl"
     with open(lock_path(str(out)), "a+") as held:

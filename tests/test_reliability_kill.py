@@ -427,7 +427,7 @@ def test_an_input_changed_while_extract_runs_is_refused_and_nothing_of_it_is_com
                 with open(data, "r+b") as handle:
                     handle.write(swapped)
 
-        def advance(self, records: int, tokens: int, *, forwarded: bool) -> None:
+        def advance(self, records: int, tokens: int, *, this_run: bool) -> None:
             pass
 
     for how in ("replaced", "rewritten_in_place"):

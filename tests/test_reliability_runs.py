@@ -19,7 +19,7 @@ WORDS = 40
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
     """(target, the same shape with other weights, a drafter trained for the first, prompts)."""
-    from pipeline.extract.forward import target_fingerprint
+    from pipeline.jobkit.target import target_fingerprint
 
     root = tmp_path_factory.mktemp("targets")
     tokenizer = chat_tokenizer_dir(root / "target", words=WORDS)

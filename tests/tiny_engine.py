@@ -31,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from beagle.decoding.generate import plain_generate
 from beagle.prompts import render
 from pipeline.extract.chat import tokenizer_fingerprint
-from pipeline.extract.forward import target_fingerprint
+from pipeline.jobkit.target import target_fingerprint
 from pipeline.extract.store_tensors import write_store
 from tests.tiny import VOCAB_SIZE, build_tokenizer
 

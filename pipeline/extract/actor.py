@@ -14,7 +14,8 @@ import threading
 import time
 from typing import Any
 
-from pipeline.extract.chat import load_tokenizer, tokenize_record
+from pipeline.extract.chat import tokenize_record
+from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.forward import ForwardConfig, TargetForward
 from pipeline.store.format import StoreEncoding
 from pipeline.extract.inputs import Record, RejectRecord

@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from beagle.target_model import load_tokenizer as load_target_tokenizer
 from pipeline.extract.inputs import Record, RejectRecord
 
 logger = logging.getLogger(__name__)
@@ -35,15 +34,6 @@ class Tokenized:
     input_ids: np.ndarray  # [L] int32
     loss_mask: np.ndarray  # [L] bool
     truncated: bool
-
-
-def load_tokenizer(model_path: str, *, trust_remote_code: bool = False) -> Any:
-    """Load the target's tokenizer from a local directory; one-line ValueError when it cannot be used."""
-    tokenizer = load_target_tokenizer(model_path, trust_remote_code=trust_remote_code)
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"--model {model_path}: the tokenizer is not a fast (Rust) tokenizer; exact loss masks "
-                         "need its character offsets; add a tokenizer.json to the model directory")
-    return tokenizer
 
 
 def has_generation_markers(tokenizer: Any) -> bool:

@@ -4,40 +4,10 @@ from __future__ import annotations
 import click
 
 from beagle.devices import DTYPES
-from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS
 from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
-from pipeline.ray_session import quiet_ray_loggers
-
-
-class _TqdmProgress:
-    """A tqdm bar over the records that passed reading, with tokens/s of the forward in its postfix.
-
-    A record counts once its shard is committed (now, or by an earlier run) or once tokenizing rejects it,
-    so the bar ends at its total."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.tokens = 0
-
-    def start(self, total: int) -> None:
-        if self.enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="record", desc="extract", dynamic_ncols=True)
-
-    def advance(self, records: int, tokens: int, *, forwarded: bool) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(records)
-        if not forwarded:  # shards kept from an earlier run, and rejects, do not count towards speed
-            return
-        self.tokens += tokens
-        elapsed = self.bar.format_dict["elapsed"] or 1e-9
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+from pipeline.jobkit.cli import TqdmProgress, echo_summary
+from pipeline.jobkit.ray_session import quiet_ray_loggers
+from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS
 
 
 def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -108,7 +78,7 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
     from pipeline.store import StoreError
 
     if not dry_run:
-        quiet_ray_loggers(ray_data=False)  # extraction feeds its own actors, never through Ray Data
+        quiet_ray_loggers()
 
     config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
                            dtype=dtype, store_dtype=store_dtype, compression=compression,
@@ -116,7 +86,7 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
                            num_gpus_per_worker=num_gpus_per_worker, device_map=device_map, address=address,
                            limit=limit, max_record_bytes=max_record_bytes, max_turns=max_turns, overwrite=overwrite,
                            trust_remote_code=trust_remote_code, samples_per_shard=samples_per_shard)
-    progress = _TqdmProgress(enabled=not no_progress)
+    progress = TqdmProgress(desc="extract", unit="record", enabled=not no_progress)
     try:
         summary = dry_run_fn(config) if dry_run else run_extract(config, progress=progress)
     except (ValueError, StoreError) as error:
@@ -129,9 +99,7 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
             "readers refuse it); free space and rerun the same command to resume") from None
     finally:
         progress.close()
-    if summary.state == "complete":
-        click.echo(f"{out} is already complete for these inputs and settings; nothing to do")
-    click.echo("\n".join(summary.lines()))
+    echo_summary(summary, out)
 
 
 dry_run_fn = dry_run

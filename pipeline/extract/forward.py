@@ -8,20 +8,17 @@ We call the base model (`model.model` for Llama) rather than the CausalLM: it sk
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from beagle.devices import pick_device
 from beagle.layer_capture import LayerCapture, base_model, normalize_layers  # noqa: F401 - re-exported
-from beagle.target_facts import facts_from_config, read_target_facts
-from beagle.target_model import load_causal_lm, weights_sha256
+from beagle.target_facts import facts_from_config
+from beagle.target_model import load_causal_lm
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +32,6 @@ class ForwardConfig:
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     trust_remote_code: bool = False
     device_map: str | None = None  # "auto": spread layers over every GPU the actor sees (targets > 1 GPU)
-
-
-def target_fingerprint(model_path: str, dtype: str, *, trust_remote_code: bool = False) -> dict[str, Any]:
-    """The manifest's `target`: name, hashes of config and weights (files in name order), architecture."""
-    root = Path(model_path)
-    weights = weights_sha256(model_path)
-    facts = read_target_facts(model_path, trust_remote_code=trust_remote_code)
-    config = json.loads((root / "config.json").read_text())  # only for the name the model was saved under
-    return {"name": config.get("_name_or_path") or root.name,
-            "config_sha256": hashlib.sha256((root / "config.json").read_bytes()).hexdigest(),
-            "weights_sha256": weights, "dtype": dtype, "architecture": facts.architecture()}
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:

@@ -11,6 +11,8 @@ dataset_id needs and keeps no record; the second reads them as a stream, tokeniz
 time (pipeline.extract.stream), and each shard goes to the forward actors as soon as it is formed
 (pipeline.extract.dispatch), two at most per actor. While the actors are full the driver stops reading.
 What it keeps grows only with the rejects, the ids seen (duplicate detection) and one info per shard.
+The steps are the job kit's (pipeline.jobkit): the record stream, the chunk plan (shards are its chunks),
+the actor dispatch; this module says what is extraction's own.
 """
 from __future__ import annotations
 
@@ -18,22 +20,28 @@ import logging
 import math
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 from beagle.devices import torch_dtype
 from beagle.host_memory import peak_rss_mib
 from beagle.target_facts import read_target_facts
 from beagle.target_model import check_weights_match, weight_files
-from pipeline.extract.chat import has_generation_markers, load_tokenizer, tokenizer_fingerprint
-from pipeline.extract.dispatch import Forwarded, ShardDispatcher, actor_busy_seconds, write_overlap_seconds
-from pipeline.extract.forward import ForwardConfig, normalize_layers, target_fingerprint
-from pipeline.extract.inputs import (DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, InputScan, RecordStream, changed_inputs,
-                                    check_data_path, scan_inputs, stream_inputs)
+from pipeline.extract.chat import has_generation_markers, tokenizer_fingerprint
+from pipeline.extract.dispatch import Forwarded, actor_busy_seconds, write_overlap_seconds
+from pipeline.extract.forward import ForwardConfig, normalize_layers
+from pipeline.extract.inputs import scan_inputs, stream_inputs
 from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from pipeline.extract.summary import ExtractSummary
-from pipeline.ray_session import connect_ray, size_actor_pool
+from pipeline.jobkit.dispatch import ActorDispatcher, ActorSpec
+from pipeline.jobkit.target import load_tokenizer, target_fingerprint
+from pipeline.jobkit.plan import run_chunks
+from pipeline.jobkit.progress import Progress
+from pipeline.jobkit.ray_session import ray_for_job, size_actor_pool
+from pipeline.jobkit.record_stream import (InputChangedError, InputScan, RecordStream, check_unchanged,
+                                           refuse_changed)
+from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, check_data_path
+from pipeline.jobkit.rejects import count_reasons, sorted_rejects
 from pipeline.store.errors import StoreFormatError
 from pipeline.store.format import LOSSY_DTYPES, StoreEncoding
 
@@ -73,17 +81,6 @@ class ExtractConfig:
     def encoding(self) -> StoreEncoding:
         """How the store keeps the states (pipeline/store/format.py): dtype and codec."""
         return StoreEncoding(self.store_dtype or self.dtype, self.compression)
-
-
-class Progress(Protocol):
-    """What the pipeline reports while it runs; the CLI draws it, library callers may pass None.
-
-    `total`: the records that passed reading. Each one ends as a sample of a shard (reported when its shard
-    commits, or is found committed by an earlier run) or as a reject at tokenizing (reported when met)."""
-
-    def start(self, total: int) -> None: ...
-
-    def advance(self, records: int, tokens: int, *, forwarded: bool) -> None: ...
 
 
 @dataclass
@@ -178,16 +175,10 @@ def estimate_store_bytes(prepared: Prepared, tokens: int) -> tuple[int, int]:
     return tokens * (len(prepared.layers) * per_layer + 5) + head, head
 
 
-def _sorted_rejects(config: ExtractConfig, *parts: list[dict]) -> list[dict]:
-    """Rejects of reading and of tokenizing together, in input order (file, then record)."""
-    order = {path: i for i, path in enumerate(config.data)}
-    return sorted((r for part in parts for r in part), key=lambda r: (order.get(r["source"], 0), r["index"]))
-
-
 def _base_summary(counts: SampleCounts, rejects: list[dict], dataset_id: str) -> ExtractSummary:
     return ExtractSummary(
         dataset_id=dataset_id, samples=counts.samples, tokens=counts.tokens, loss_tokens=counts.loss_tokens,
-        rejected_by_reason=dict(sorted(Counter(r["reason"] for r in rejects).items())),
+        rejected_by_reason=count_reasons(rejects),
         truncated=counts.truncated, dropped_leading_assistant=counts.dropped_leading_assistant)
 
 
@@ -197,7 +188,7 @@ def dry_run(config: ExtractConfig) -> ExtractSummary:
     records, counts = _records(prepared), SampleCounts()
     for _ in form_shards(_samples(prepared, records, use_ray=False), config.samples_per_shard, counts):
         pass
-    summary = _base_summary(counts, _sorted_rejects(config, records.rejects, counts.rejects), "")
+    summary = _base_summary(counts, sorted_rejects(config.data, records.rejects, counts.rejects), "")
     summary.dry_run = True
     summary.store_bytes, summary.head_bytes = estimate_store_bytes(prepared, summary.tokens)
     summary.driver_peak_rss_mib = peak_rss_mib()
@@ -226,77 +217,47 @@ def _stream_shards(prepared: Prepared, url: str, progress: Progress | None) -> S
     if committed:
         logger.info("resuming %s: %d shard(s) already committed", url, len(committed))
     records, counts = _records(prepared), SampleCounts()
-    kept: list[dict] = []
-    dispatcher: ShardDispatcher | None = None
-    shards = reported = 0
+    forwarded = Forwarded()
+    forward_config: list[ForwardConfig] = []  # set when the actors start
+    reported = 0
 
     def report_rejects() -> None:  # tokenizing rejects count towards the progress total too
         nonlocal reported
         if progress is not None and len(counts.rejects) > reported:
-            progress.advance(len(counts.rejects) - reported, 0, forwarded=False)
+            progress.advance(len(counts.rejects) - reported, 0, this_run=False)
         reported = len(counts.rejects)
+
+    def shards() -> Iterator[tuple[int, list[dict]]]:
+        for index, samples in form_shards(_samples(prepared, records, use_ray=True), config.samples_per_shard,
+                                          counts):
+            report_rejects()
+            yield index, samples
+
+    def kept(index: int, samples: list[dict], info: dict) -> None:
+        if progress is not None:
+            progress.advance(len(samples), info["tokens"], this_run=False)
+
+    def start_actors() -> ActorDispatcher:
+        pending = max(1, math.ceil(prepared.scan.records / config.samples_per_shard) - len(committed))
+        dispatcher = _dispatcher(prepared, url, pending, forwarded, progress)
+        forward_config.append(dispatcher.spec.args[0])
+        return dispatcher
 
     if progress is not None:
         progress.start(prepared.scan.records)
     try:
-        for index, samples in form_shards(_samples(prepared, records, use_ray=True), config.samples_per_shard,
-                                          counts):
-            shards = index + 1
-            report_rejects()
-            if index in committed:
-                kept.append(committed[index])
-                if progress is not None:
-                    progress.advance(len(samples), committed[index]["tokens"], forwarded=False)
-                continue
-            _refuse_changed(prepared.scan)  # a stat per input: stop before forwarding bytes that were not hashed
-            if dispatcher is None:
-                pending = max(1, math.ceil(prepared.scan.records / config.samples_per_shard) - len(committed))
-                dispatcher = _dispatcher(prepared, url, pending, progress)
-            dispatcher.submit(index, samples)
-        forwarded = dispatcher.finish() if dispatcher is not None else Forwarded()
-    except InputChangedError:
-        if dispatcher is not None:  # shards this run committed were made from bytes that were not hashed
-            try:
-                dispatcher.finish()  # so that no actor commits one after they are discarded
-            finally:
-                _discard_shards(url, [info["index"] for info in dispatcher.forwarded.infos])
+        # a stat per input before each shard: stop before forwarding bytes that were not hashed
+        run = run_chunks(shards(), committed=committed, start_actors=start_actors, on_kept=kept,
+                         before_dispatch=lambda: refuse_changed(prepared.scan, job="extract", output="the store"))
+        report_rejects()
+        check_unchanged(prepared.scan, records, job="extract", output="the store")
+    except InputChangedError:  # the shards this run committed were made from bytes that were not hashed
+        _discard_shards(url, [info["index"] for info in forwarded.infos])
         raise
-    finally:
-        if dispatcher is not None:
-            dispatcher.close()
-    report_rejects()
-    try:
-        _check_unchanged(prepared.scan, records)
-    except InputChangedError:
-        _discard_shards(url, [info["index"] for info in forwarded.infos])  # made from bytes not hashed
-        raise
-    batch_tokens = dispatcher.config.batch_tokens if dispatcher is not None else config.batch_tokens
-    return Streamed(counts, _sorted_rejects(config, records.rejects, counts.rejects), shards, kept, forwarded,
-                    batch_tokens)
-
-
-def _check_unchanged(scan: InputScan, records: RecordStream) -> None:
-    """The dataset_id records each file's sha256 and record count as the first pass saw them: a file that
-    changed since (still being written? replaced?) would make the store lie about its inputs. Its record
-    count, and its identity (inode, size, mtime, ctime: `file_identity`, taken before it was hashed),
-    must be what they were, now that every record has been read for good."""
-    for before, after in zip(scan.sources, records.sources):
-        if before["records"] != after["records"]:
-            raise InputChangedError(f"--data {before['path']}: changed while it was read ({before['records']} records, "
-                             f"then {after['records']}); rerun once it is complete")
-    _refuse_changed(scan)
-
-
-class InputChangedError(ValueError):
-    """An input file changed while extract read it: what was forwarded from it cannot be trusted."""
-
-
-def _refuse_changed(scan: InputScan) -> None:
-    changed = changed_inputs(scan)
-    if changed:
-        raise InputChangedError(f"--data {changed[0]}: changed while extract ran (replaced or rewritten after it was "
-                         "hashed), so the store would record the sha256 of other bytes than it holds; nothing "
-                         "was committed from it: rerun once the inputs are final")
+    forwarded.seconds = run.seconds
+    batch_tokens = forward_config[0].batch_tokens if forward_config else config.batch_tokens
+    return Streamed(counts, sorted_rejects(config.data, records.rejects, counts.rejects), run.chunks, run.kept,
+                    forwarded, batch_tokens)
 
 
 def _discard_shards(url: str, indices: list[int]) -> None:
@@ -322,9 +283,14 @@ def default_batch_tokens(config: ExtractConfig, device_kind: str) -> int:
     return config.batch_tokens or DEFAULT_BATCH_TOKENS[device_kind]
 
 
-def _dispatcher(prepared: Prepared, url: str, pending: int, progress: Progress | None) -> ShardDispatcher:
+def _dispatcher(prepared: Prepared, url: str, pending: int, forwarded: Forwarded,
+                progress: Progress | None) -> ActorDispatcher:
     """The forward actors for at most `pending` shards: one per GPU (per --num-gpus-per-worker), or
-    --num-workers, or one CPU actor; they start with the first shard handed to them."""
+    --num-workers, or one CPU actor; they start with the first shard handed to them. Two shards in flight
+    on each, run on two threads of the actor: one is written while the next is forwarded (`ShardExtractor`).
+    Every shard they commit is recorded in `forwarded`."""
+    from pipeline.extract.actor import ShardExtractor
+
     config = prepared.config
     pool = size_actor_pool(items=pending, num_workers=config.num_workers,
                            num_gpus_per_worker=config.num_gpus_per_worker, threads=config.threads,
@@ -333,9 +299,15 @@ def _dispatcher(prepared: Prepared, url: str, pending: int, progress: Progress |
                                    dtype=config.dtype, batch_tokens=default_batch_tokens(config, pool.kind),
                                    threads=pool.threads,
                                    trust_remote_code=config.trust_remote_code, device_map=config.device_map)
-    on_commit = None if progress is None else (
-        lambda info: progress.advance(info["samples"], info["tokens"], forwarded=True))
-    return ShardDispatcher(pool, forward_config, url, encoding=config.encoding, on_commit=on_commit)
+
+    def on_result(result: dict[str, Any]) -> None:
+        info = forwarded.record(result)
+        if progress is not None:
+            progress.advance(info["samples"], info["tokens"], this_run=True)
+
+    spec = ActorSpec(ShardExtractor, (forward_config, url, config.encoding), method="extract", per_actor=2,
+                     concurrency=2, label="forward")
+    return ActorDispatcher(pool, spec, on_result)
 
 
 def run_extract(config: ExtractConfig, *, progress: Progress | None = None) -> ExtractSummary:
@@ -366,8 +338,7 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
     state = begin_store(url, dataset_id, overwrite=config.overwrite)
     if state == "complete":
         return _complete_summary(url, dataset_id, started)
-    owned = connect_ray(config.address, config.num_workers)
-    try:
+    with ray_for_job(config.address, config.num_workers):
         try:
             streamed = _stream_shards(prepared, url, progress)
         except InputChangedError:  # its shards were discarded
@@ -384,10 +355,6 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
         summary.forward_tokens = sum(i["tokens"] for i in streamed.forwarded.infos)
         _commit_store(prepared, url, dataset_id, facts, summary, streamed.rejects,
                       streamed.kept + streamed.forwarded.infos, streamed.batch_tokens)
-    finally:
-        if owned:
-            import ray
-            ray.shutdown()
     summary.shards, summary.shards_resumed, summary.state = streamed.shards, len(streamed.kept), state
     _add_run_facts(summary, streamed.forwarded, url, started)
     return summary

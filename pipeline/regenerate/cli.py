@@ -5,36 +5,11 @@ import click
 
 from beagle.devices import DTYPES
 
-from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
-from pipeline.ray_session import quiet_ray_loggers
+from pipeline.jobkit.cli import TqdmProgress, echo_summary
+from pipeline.jobkit.ray_session import quiet_ray_loggers
+from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import RegenerateConfig, run_regenerate
-
-
-class _TqdmProgress:
-    """A tqdm bar over conversations with generated tokens/s in its postfix."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.tokens = 0
-
-    def start(self, conversations: int) -> None:
-        if self.enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=conversations, unit="conv", desc="regenerate", dynamic_ncols=True)
-
-    def advance(self, conversations: int, tokens: int) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(conversations)
-        self.tokens += tokens
-        elapsed = self.bar.format_dict["elapsed"] or 1e-9
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 @click.command("regenerate")
@@ -89,13 +64,11 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
                               max_record_bytes=max_record_bytes, chunk_size=chunk_size,
                               num_workers=num_workers, num_gpus_per_worker=num_gpus_per_worker, address=address,
                               overwrite=overwrite)
-    progress = _TqdmProgress(enabled=not no_progress)
+    progress = TqdmProgress(desc="regenerate", unit="conv", enabled=not no_progress)
     try:
         summary = run_regenerate(config, progress=progress)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     finally:
         progress.close()
-    if summary.state == "complete":
-        click.echo(f"{out} is already complete for these inputs and settings; nothing to do")
-    click.echo("\n".join(summary.lines()))
+    echo_summary(summary, out)

@@ -6,19 +6,19 @@ are sorted by prompt length inside a round so that padding stays small.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import time
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
 from beagle.devices import pick_device
 from beagle.prompts import TEXT_ROLE, eos_token_ids, render
 from beagle.target_model import load_causal_lm
-from pipeline.extract.chat import load_tokenizer
+from pipeline.jobkit.target import load_tokenizer
 from pipeline.regenerate.prompts import PromptRecord
 
 logger = logging.getLogger(__name__)
@@ -143,23 +143,40 @@ class ConversationGenerator:
         return answers
 
 
-class ChunkAnswerer:
-    """Ray Data actor: loads the target once; per row, regenerates one chunk of conversations.
+def chunk_lines(answered: list[Answered]) -> str:
+    """A finished chunk as the driver commits it: one JSON line per record, its conversation or its reject."""
+    lines = []
+    for result in answered:
+        record = result.record
+        where = {"source": record.source, "index": record.index, **({"line": record.line} if record.line else {})}
+        if result.reject:
+            lines.append({"reject": {**where, "reason": result.reject,
+                                     "detail": "the first turn's prompt is longer than --max-prompt-length"}})
+        else:
+            body = {"text": result.text} if record.text else {"messages": result.messages}
+            lines.append({"id": record.sample_id, **body, "source": where,
+                          "regenerated": {"tokens": result.generated_tokens, "unfinished_turns": result.unfinished_turns,
+                                          "dropped_turns": result.dropped_turns}})
+    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
 
-    Rows carry pickled `PromptRecord` lists and come back as pickled `Answered` lists; the driver writes
-    them, so a chunk is either wholly on disk or redone.
+
+class ChunkAnswerer:
+    """Generation actor: loads the target once; per call, regenerates one chunk of conversations.
+
+    It returns the chunk's lines as text, and the driver writes them (the driver's disk holds the output,
+    which an actor on another node cannot reach), so a chunk is either wholly on disk or redone. Plain
+    Python: the job kit's dispatcher makes it a Ray actor; tests call it directly.
     """
 
     def __init__(self, config: GenerateConfig) -> None:
         self.generator = ConversationGenerator(config)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        answered, seconds = [], []
-        for chunk, payload in zip(batch["chunk"], batch["records"]):
-            started = time.perf_counter()
-            results = self.generator.answer(pickle.loads(payload), seed=self.generator.config.seed + int(chunk))
-            answered.append(pickle.dumps(results))
-            seconds.append(time.perf_counter() - started)
-            logger.info("chunk %d: %d conversations in %.1fs (pid %d)", chunk, len(results), seconds[-1], os.getpid())
-        return {"chunk": np.asarray(batch["chunk"], dtype=np.int64), "answered": np.asarray(answered, dtype=object),
-                "seconds": np.asarray(seconds)}
+    def answer(self, chunk_index: int, records: list[PromptRecord]) -> dict[str, Any]:
+        """{"chunk", "lines", "conversations", "tokens", "seconds", "pid"} of chunk `chunk_index`; sampling
+        is seeded with seed + chunk index, so the answers do not depend on which actor ran it."""
+        started = time.perf_counter()
+        results = self.generator.answer(records, seed=self.generator.config.seed + int(chunk_index))
+        seconds = time.perf_counter() - started
+        logger.info("chunk %d: %d conversations in %.1fs (pid %d)", chunk_index, len(results), seconds, os.getpid())
+        return {"chunk": int(chunk_index), "lines": chunk_lines(results), "conversations": len(results),
+                "tokens": sum(r.generated_tokens for r in results), "seconds": seconds, "pid": os.getpid()}

@@ -1,4 +1,4 @@
-"""The regeneration job: read prompts -> Ray actors answer whole chunks -> one JSONL, committed atomically.
+"""The regeneration job: stream prompts -> Ray actors answer whole chunks -> one JSONL, committed atomically.
 
 Layout next to `--out answers.jsonl`:
   answers.jsonl                conversations `{"id", "messages", "source", "regenerated"}` (text records:
@@ -13,32 +13,43 @@ Chunks are cut from the inputs in order, so they depend only on inputs and setti
 keeps the finished chunks (same settings) and redoes the rest. The output file appears only once it is
 complete (written aside, then renamed), and only after its manifest, so a file with the final name and a
 matching manifest is never partial.
+
+Memory: the driver never holds the inputs. One pass counts them (the identity hashes every input and its
+record count, and is needed before `.partial/` is claimed); the second streams them in chunks to the
+actors, two at most in flight per actor, and stops reading while the actors are full (the job kit's
+chunk plan and dispatcher, pipeline.jobkit). The output is joined from the chunk files one at a time.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import math
 import os
-import pickle
+import re
 import shutil
 import time
-from collections import Counter
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator
 
 from beagle.devices import DTYPES
+from beagle.host_memory import peak_rss_mib
 from beagle.target_facts import read_target_facts
 from beagle.target_model import check_weights_match, weight_files
-from pipeline.extract.chat import load_tokenizer
-from pipeline.extract.forward import target_fingerprint
-from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES
+from pipeline.jobkit.dispatch import ActorDispatcher, ActorSpec
+from pipeline.jobkit.identity import identity_sha256
+from pipeline.jobkit.outputs import output_lock, write_lines
+from pipeline.jobkit.plan import chunked, run_chunks
+from pipeline.jobkit.progress import Progress
+from pipeline.jobkit.ray_session import ray_for_job, size_actor_pool
+from pipeline.jobkit.record_stream import InputChangedError, InputScan, check_unchanged, refuse_changed
+from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES
 from pipeline.store import atomic
-from pipeline.store.file_lock import exclusive_lock
-from pipeline.ray_session import connect_ray, configure_ray_data, size_actor_pool
-from pipeline.regenerate.generation import Answered, GenerateConfig
-from pipeline.regenerate.prompts import PromptRead, PromptRecord, read_prompts
+from pipeline.jobkit.rejects import count_reasons, format_reasons, sorted_rejects
+from pipeline.jobkit.target import load_tokenizer, target_fingerprint
+from pipeline.regenerate.generation import GenerateConfig
+from pipeline.regenerate.prompts import scan_prompts, stream_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +70,6 @@ class RegenerateConfig:
     overwrite: bool = False
 
 
-class Progress(Protocol):
-    def start(self, conversations: int) -> None: ...
-
-    def advance(self, conversations: int, tokens: int) -> None: ...
-
-
 @dataclass
 class RegenerateSummary:
     out: str
@@ -79,6 +84,7 @@ class RegenerateSummary:
     seconds: float = 0.0
     generate_seconds: float = 0.0   # wall time of the actor pool over the chunks done in this run
     tokens_this_run: int = 0
+    driver_peak_rss_mib: float = 0.0  # the driver's peak resident memory (bounded: inputs are streamed)
     state: str = "new"              # new | resumed | complete (nothing to do)
 
     @property
@@ -92,18 +98,16 @@ class RegenerateSummary:
                  f"answers cut at --max-new-tokens: {self.unfinished_turns:,}; later turns skipped "
                  f"(prompt over --max-prompt-length): {self.dropped_turns:,}"]
         if self.rejected:
-            lines.append(f"rejected {self.rejected:,} records ({_reasons(self.rejected_by_reason)}); see "
+            lines.append(f"rejected {self.rejected:,} records ({format_reasons(self.rejected_by_reason)}); see "
                          f"{rejects_path(self.out)}")
         if self.chunks_resumed:
             lines.append(f"resumed: {self.chunks_resumed} of {self.chunks} chunks kept from an earlier run")
         if self.generate_seconds:
             lines.append(f"generation: {rate:,.0f} tokens/s over {self.generate_seconds:.1f}s, loading the target "
                          f"included (total {self.seconds:.1f}s)")
+        if self.driver_peak_rss_mib:
+            lines.append(f"driver: {self.driver_peak_rss_mib:,.0f} MiB peak resident memory")
         return lines
-
-
-def _reasons(counts: dict[str, int]) -> str:
-    return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()))
 
 
 def manifest_path(out: str) -> Path:
@@ -142,20 +146,20 @@ def _check(config: RegenerateConfig) -> None:
                          "and 0 < top-p <= 1")
 
 
-def _check_chat_template(config: RegenerateConfig, read: PromptRead) -> None:
+def _check_chat_template(config: RegenerateConfig, scan: InputScan) -> None:
     """Conversations need the target's chat template; refused here, before any Ray worker starts, when the
     tokenizer has none (a base model), naming the first such record and the input a base model takes."""
-    chat = next((record for record in read.records if not record.text), None)
+    chat = scan.first_conversation
     if chat is None:
         return
     tokenizer = load_tokenizer(config.generate.model_path, trust_remote_code=config.generate.trust_remote_code)
     if not isinstance(getattr(tokenizer, "chat_template", None), str):
         raise ValueError(f"--model {config.generate.model_path}: the tokenizer has no chat template, so the "
-                         f"conversation at {chat.source} record {chat.index} cannot be asked; give a base model "
-                         "{\"text\": ...} records to continue, or add a chat_template to tokenizer_config.json")
+                         f"conversation at {chat['source']} record {chat['index']} cannot be asked; give a base "
+                         "model {\"text\": ...} records to continue, or add a chat_template to tokenizer_config.json")
 
 
-def identity(config: RegenerateConfig, read: PromptRead) -> dict[str, Any]:
+def identity(config: RegenerateConfig, scan: InputScan) -> dict[str, Any]:
     """What the output depends on; a rerun with the same identity resumes or finds the work done."""
     generate = asdict(config.generate)
     for machine_only in ("model_path", "device", "threads", "trust_remote_code"):
@@ -164,35 +168,23 @@ def identity(config: RegenerateConfig, read: PromptRead) -> dict[str, Any]:
                                 trust_remote_code=config.generate.trust_remote_code)
     facts = {"version": REGENERATE_VERSION, "target": target,
              "generate": generate, "chunk_size": config.chunk_size, "limit": config.limit,
-             "sources": read.sources}
+             "sources": scan.sources}
     if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older outputs stay valid
         facts["max_record_bytes"] = config.max_record_bytes
     return facts
-
-
-def _identity_hash(facts: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
 def _chunk_path(work: Path, chunk: int) -> Path:
     return work / f"chunk-{chunk:06d}.jsonl"
 
 
-def _chunk_lines(answered: list[Answered]) -> str:
-    """A finished chunk: one line per record, the output conversation or its reject."""
-    lines = []
-    for result in answered:
-        record = result.record
-        where = {"source": record.source, "index": record.index, **({"line": record.line} if record.line else {})}
-        if result.reject:
-            lines.append({"reject": {**where, "reason": result.reject,
-                                     "detail": "the first turn's prompt is longer than --max-prompt-length"}})
-        else:
-            body = {"text": result.text} if record.text else {"messages": result.messages}
-            lines.append({"id": record.sample_id, **body, "source": where,
-                          "regenerated": {"tokens": result.generated_tokens, "unfinished_turns": result.unfinished_turns,
-                                          "dropped_turns": result.dropped_turns}})
-    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+_CHUNK_NAME = re.compile(r"chunk-(\d{6})\.jsonl")
+
+
+def _committed_chunks(work: Path) -> dict[int, Path]:
+    """The chunks an earlier run finished (each file was written aside and renamed: present is whole)."""
+    found = (_CHUNK_NAME.fullmatch(path.name) for path in work.iterdir())
+    return {int(match.group(1)): work / match.group(0) for match in found if match}
 
 
 def _prepare_work_dir(config: RegenerateConfig, facts_hash: str) -> Path:
@@ -212,29 +204,20 @@ def _prepare_work_dir(config: RegenerateConfig, facts_hash: str) -> Path:
     return work
 
 
-def lock_path(out: str) -> Path:
-    return Path(out + ".lock")
-
-
 def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None) -> RegenerateSummary:
     """The whole job; rerun the same command to resume after a crash."""
     started = time.perf_counter()
     _check(config)
-    read = read_prompts(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
-    _check_chat_template(config, read)
-    path = lock_path(config.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Held for the whole job, so two jobs never interleave chunks of one output.
-    with exclusive_lock(str(path), lambda: ValueError(
-            f"--out {config.out} is being written by another process (it holds {path}); wait for that job to "
-            "finish, or choose another --out")):
-        return _run_locked(config, read, progress, started)
+    scan = scan_prompts(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
+    _check_chat_template(config, scan)
+    with output_lock(config.out):  # held for the whole job: two jobs never interleave chunks of one output
+        return _run_locked(config, scan, progress, started)
 
 
-def _run_locked(config: RegenerateConfig, read: PromptRead, progress: Progress | None,
+def _run_locked(config: RegenerateConfig, scan: InputScan, progress: Progress | None,
                 started: float) -> RegenerateSummary:
-    facts = identity(config, read)
-    facts_hash = _identity_hash(facts)
+    facts = identity(config, scan)
+    facts_hash = identity_sha256(facts)
     out, manifest = Path(config.out), manifest_path(config.out)
     summary = RegenerateSummary(out=config.out)
     if out.exists():
@@ -244,90 +227,102 @@ def _run_locked(config: RegenerateConfig, read: PromptRead, progress: Progress |
                 setattr(summary, key, value)
             summary.state = "complete"
             summary.seconds = time.perf_counter() - started
+            summary.driver_peak_rss_mib = peak_rss_mib()
             return summary
         if not config.overwrite:
             raise ValueError(f"--out {config.out} exists and was not made by this command with these inputs and "
                              "settings; pass --overwrite to replace it")
         manifest.unlink(missing_ok=True)  # --overwrite: the old output must never pass for the new one
         out.unlink()
-    if not read.records:
-        raise ValueError(f"all {len(read.rejects)} records were rejected ({_reasons(Counter(r['reason'] for r in read.rejects))}); "
-                         "nothing to regenerate; check the input format")
+    if not scan.records:
+        raise ValueError(f"all {sum(scan.rejected_by_reason.values())} records were rejected "
+                         f"({format_reasons(scan.rejected_by_reason)}); nothing to regenerate; check the input format")
     out.parent.mkdir(parents=True, exist_ok=True)
     work = _prepare_work_dir(config, facts_hash)
-    size = config.chunk_size
-    chunks = {k // size: read.records[k:k + size] for k in range(0, len(read.records), size)}
-    pending = {k: records for k, records in chunks.items() if not _chunk_path(work, k).is_file()}
-    summary.chunks, summary.chunks_resumed = len(chunks), len(chunks) - len(pending)
-    summary.state = "resumed" if summary.chunks_resumed else "new"
+    committed = _committed_chunks(work)
+    summary.chunks = math.ceil(scan.records / config.chunk_size)
+    summary.state = "resumed" if committed else "new"
+    stream = stream_prompts(list(config.data), scan, limit=config.limit, max_record_bytes=config.max_record_bytes)
+    written: list[int] = []  # chunks committed in this run
+
+    def on_result(result: dict[str, Any]) -> None:
+        atomic.write_text(_chunk_path(work, result["chunk"]), result["lines"])
+        written.append(result["chunk"])
+        summary.tokens_this_run += result["tokens"]
+        if progress is not None:
+            progress.advance(result["conversations"], result["tokens"], this_run=True)
+
+    def kept(index: int, records: list, path: Path) -> None:
+        if progress is not None:
+            progress.advance(len(records), 0, this_run=False)
+
     if progress is not None:
-        progress.start(len(read.records))
-        progress.advance(sum(len(r) for k, r in chunks.items() if k not in pending), 0)
-    if pending:
-        generate_started = time.perf_counter()
-        summary.tokens_this_run = _answer_chunks(config, pending, work, progress)
-        summary.generate_seconds = time.perf_counter() - generate_started
-    _assemble(config, read, facts, facts_hash, len(chunks), work, summary)
+        progress.start(scan.records)
+    with ExitStack() as ray_session:  # Ray is joined (or started) only if some chunk is left to answer
+        def start_actors() -> ActorDispatcher:
+            ray_session.enter_context(ray_for_job(config.address, config.num_workers))
+            return _dispatcher(config, summary.chunks - len(committed), on_result)
+
+        try:
+            run = run_chunks(chunked(stream, config.chunk_size), committed=committed, start_actors=start_actors,
+                             on_kept=kept,
+                             before_dispatch=lambda: refuse_changed(scan, job="regenerate", output="the output"))
+            check_unchanged(scan, stream, job="regenerate", output="the output")
+        except InputChangedError:  # what this run answered was read from bytes that were not hashed
+            for chunk in written:
+                _chunk_path(work, chunk).unlink(missing_ok=True)
+            if not _committed_chunks(work):
+                shutil.rmtree(work)  # so that the rerun, with the final inputs, meets no unfinished work
+            raise
+    summary.chunks_resumed = len(run.kept)
+    summary.generate_seconds = run.seconds
+    _assemble(config, stream.rejects, facts, facts_hash, summary.chunks, work, summary)
     shutil.rmtree(work)
     summary.seconds = time.perf_counter() - started
+    summary.driver_peak_rss_mib = peak_rss_mib()
     return summary
 
 
-def _answer_chunks(config: RegenerateConfig, pending: dict[int, list[PromptRecord]], work: Path,
-                   progress: Progress | None) -> int:
-    """Run the actor pool over the pending chunks, writing each chunk file as it arrives; returns tokens."""
-    import ray
-    import ray.data
-
+def _dispatcher(config: RegenerateConfig, pending: int, on_result: Any) -> ActorDispatcher:
+    """The generation actors for at most `pending` chunks: one per GPU (per --num-gpus-per-worker), or
+    --num-workers, or one CPU actor using all cores. Two chunks in flight on each, run one after the other
+    (generate is not thread-safe): the next chunk is on the actor when one finishes."""
     from pipeline.regenerate.generation import ChunkAnswerer
 
-    owned = connect_ray(config.address, config.num_workers)
-    configure_ray_data()
-    tokens = 0
-    try:
-        pool = size_actor_pool(items=len(pending), num_workers=config.num_workers,
-                               num_gpus_per_worker=config.num_gpus_per_worker, threads=config.generate.threads,
-                               address=config.address)
-        generate = GenerateConfig(**{**asdict(config.generate), "model_path": os.path.abspath(config.generate.model_path),
-                                     "threads": pool.threads})
-        rows = [{"chunk": k, "records": pickle.dumps(records)} for k, records in sorted(pending.items())]
-        dataset = pool.map_batches(ray.data.from_items(rows, override_num_blocks=len(rows)), ChunkAnswerer,
-                                   config=generate)
-        logger.info("regenerate: %d chunks on %d %s actor(s)", len(rows), pool.workers, pool.kind)
-        for row in dataset.iter_rows():
-            answered: list[Answered] = pickle.loads(row["answered"])
-            atomic.write_text(_chunk_path(work, int(row["chunk"])), _chunk_lines(answered))
-            chunk_tokens = sum(a.generated_tokens for a in answered)
-            tokens += chunk_tokens
-            if progress is not None:
-                progress.advance(len(answered), chunk_tokens)
-    finally:
-        if owned:
-            ray.shutdown()
-    return tokens
+    pool = size_actor_pool(items=max(1, pending), num_workers=config.num_workers,
+                           num_gpus_per_worker=config.num_gpus_per_worker, threads=config.generate.threads,
+                           address=config.address)
+    generate = GenerateConfig(**{**asdict(config.generate), "model_path": os.path.abspath(config.generate.model_path),
+                                 "threads": pool.threads})
+    return ActorDispatcher(pool, ActorSpec(ChunkAnswerer, (generate,), method="answer", per_actor=2, concurrency=1,
+                                           label="generate"), on_result)
 
 
-def _assemble(config: RegenerateConfig, read: PromptRead, facts: dict[str, Any], facts_hash: str, chunks: int,
-              work: Path, summary: RegenerateSummary) -> None:
-    """Join the chunk files in order into the output, its rejects file and its manifest (manifest first)."""
-    conversations: list[str] = []
-    rejects = list(read.rejects)
+def _chunk_texts(work: Path, chunks: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, parsed) of every chunk file in chunk order, one file in memory at a time."""
     for k in range(chunks):
-        for text in _chunk_path(work, k).read_text(encoding="utf-8").splitlines():
-            line = json.loads(text)
-            if "reject" in line:
-                rejects.append(line["reject"])
-                continue
-            conversations.append(text)
-            stats = line["regenerated"]
-            summary.conversations += 1
-            summary.turns += sum(m["role"] == "assistant" for m in line["messages"]) if "messages" in line else 1
-            summary.generated_tokens += stats["tokens"]
-            summary.unfinished_turns += stats["unfinished_turns"]
-            summary.dropped_turns += stats["dropped_turns"]
-    order = {path: i for i, path in enumerate(config.data)}
-    rejects.sort(key=lambda r: (order.get(r["source"], 0), r["index"]))
-    summary.rejected_by_reason = dict(sorted(Counter(r["reason"] for r in rejects).items()))
+        for text in _chunk_path(work, k).read_text(encoding="utf-8").split("\n"):
+            if text:
+                yield text, json.loads(text)
+
+
+def _assemble(config: RegenerateConfig, read_rejects: list[dict[str, Any]], facts: dict[str, Any], facts_hash: str,
+              chunks: int, work: Path, summary: RegenerateSummary) -> None:
+    """Join the chunk files in order into the output, its rejects file and its manifest (manifest first).
+    Two passes over the chunk files: the counts the manifest holds, then the output, streamed."""
+    answered_rejects = []
+    for _, line in _chunk_texts(work, chunks):
+        if "reject" in line:
+            answered_rejects.append(line["reject"])
+            continue
+        stats = line["regenerated"]
+        summary.conversations += 1
+        summary.turns += sum(m["role"] == "assistant" for m in line["messages"]) if "messages" in line else 1
+        summary.generated_tokens += stats["tokens"]
+        summary.unfinished_turns += stats["unfinished_turns"]
+        summary.dropped_turns += stats["dropped_turns"]
+    rejects = sorted_rejects(config.data, read_rejects, answered_rejects)
+    summary.rejected_by_reason = count_reasons(rejects)
     if rejects:
         atomic.write_text(rejects_path(config.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rejects))
     elif rejects_path(config.out).exists():
@@ -337,4 +332,4 @@ def _assemble(config: RegenerateConfig, read: PromptRead, facts: dict[str, Any],
     atomic.write_text(manifest_path(config.out), json.dumps(
         {"identity_sha256": facts_hash, **facts, "counts": counts,
          "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
-    atomic.write_text(Path(config.out), "".join(line + "\n" for line in conversations))
+    write_lines(Path(config.out), (text + "\n" for text, line in _chunk_texts(work, chunks) if "reject" not in line))

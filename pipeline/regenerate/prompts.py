@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from beagle.prompts import PROMPT_REJECT_REASONS, PromptRecordError, parse_prompt_record
-from pipeline.extract.inputs import DEFAULT_MAX_RECORD_BYTES, RejectRecord, read_records
+from pipeline.jobkit.record_stream import InputScan, RecordStream, scan_records, stream_records
+from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES, RejectRecord
 
 # Reasons a record can be rejected by regeneration (written to the rejects file by these keys).
 REGENERATE_REJECT_REASONS: dict[str, str] = {
@@ -62,14 +63,19 @@ def normalize_prompt_record(obj: Any, *, source: str, index: int, default_id: st
     return PromptRecord(parsed.prompt_id or default_id, source, index, system, turns)
 
 
-@dataclass
-class PromptRead:
-    records: list[PromptRecord]
-    rejects: list[dict[str, Any]]
-    sources: list[dict[str, Any]]  # {"path", "sha256", "records"}
+def _is_conversation(record: PromptRecord) -> bool:
+    return not record.text
 
 
-def read_prompts(paths: list[str], *, limit: int | None = None,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> PromptRead:
-    """Read every input in order (as extraction does), stopping once `limit` usable records are collected."""
-    return PromptRead(*read_records(paths, normalize_prompt_record, limit=limit, max_record_bytes=max_record_bytes))
+def scan_prompts(paths: list[str], *, limit: int | None = None,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> InputScan:
+    """One pass over the inputs keeping counts only: what the output's identity needs, and where the first
+    conversation is (it needs a chat template). `limit`: the first `limit` usable records."""
+    return scan_records(paths, normalize_prompt_record, is_conversation=_is_conversation, limit=limit,
+                        max_record_bytes=max_record_bytes)
+
+
+def stream_prompts(paths: list[str], scan: InputScan, *, limit: int | None = None,
+                   max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> RecordStream:
+    """The `PromptRecord`s `scan` counted, read again lazily, in input order."""
+    return stream_records(paths, normalize_prompt_record, scan, limit=limit, max_record_bytes=max_record_bytes)

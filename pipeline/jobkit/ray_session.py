@@ -1,18 +1,20 @@
-"""Joining or starting Ray for the driver-side jobs (`extract`, `regenerate`), the same way for both."""
+"""Joining or starting Ray for the driver-side jobs (`extract`, `regenerate`), and sizing their actor pool,
+the same way for every job."""
 from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Iterator
 
 
 def connect_ray(address: str | None, workers: int | None) -> bool:
     """Join `address` (or $RAY_ADDRESS), else start a local Ray sized to this machine.
 
     Returns True if we started it (the caller then shuts it down). A local Ray gets logical CPUs >= actors
-    + 1, so that Ray Data's read tasks (regenerate's input) never wait behind the model actors; extraction's
-    tokenize tasks reserve no CPU and run beside the actors either way.
+    + 1, so that one CPU is left beside the model actors (extraction's tokenize tasks reserve none and run
+    beside them either way).
     """
     import ray
 
@@ -35,33 +37,10 @@ def joined_cluster(address: str | None) -> bool:
     return bool(address or os.environ.get("RAY_ADDRESS"))
 
 
-def configure_ray_data() -> None:
-    """How our jobs run Ray Data: without its progress bars (they would fight with the CLI's tqdm), with the
-    whole actor pool loaded before work starts, and without its no-progress timeout."""
-    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")  # read when ray.data is first imported
-    import ray.data
-    context = ray.data.DataContext.get_current()
-    if context.enable_progress_bars:
-        context.enable_progress_bars = False
-    context.print_on_execution_start = False
-    # Start work only when the whole actor pool holds its model, so work spreads over all actors
-    # instead of queueing on the first one to finish loading.
-    context.wait_for_min_actors_s = 3600
-    # One shard (or chunk) is one task, and it may rightly run for a long time: 256 long samples of a large
-    # target on a CPU, or an actor that other work starves. Ray Data's guard (no output for 30 min) would
-    # then kill the whole job with its own traceback; it did, in the scaling study. Our progress is per
-    # shard, each committed as it comes, so a rerun resumes whatever stops.
-    context.execution_no_progress_timeout_s = -1
-
-
-def quiet_ray_loggers(*, ray_data: bool = True) -> None:
-    """Keep the CLI's output to our own lines unless -v: Ray logs at INFO, and Ray Data every execution.
-
-    `ray_data=False` (extraction, which feeds its own actors) leaves `ray.data` unimported: importing it only
-    to quiet it would add its modules to the driver's memory."""
+def quiet_ray_loggers() -> None:
+    """Keep the CLI's output to our own lines unless -v: Ray logs at INFO. Ray Data is left unimported (no
+    job runs through it): importing it only to quiet it would add its modules to the driver's memory."""
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
-        if ray_data:
-            import ray.data  # noqa: F401 - configures its loggers on import; quiet them afterwards
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -74,15 +53,6 @@ class ActorPool:
     threads: int | None              # torch threads per actor; None leaves torch's default
     resources: dict[str, float]      # {"num_gpus": n} on a GPU cluster, else {"num_cpus": 1}
     kind: str                        # "GPU" or "CPU", for logs
-
-    def map_batches(self, dataset: Any, actor: type, **constructor_kwargs: Any) -> Any:
-        """`dataset` mapped one row at a time through `actor`, one task in flight per actor."""
-        import ray.data
-
-        compute = ray.data.ActorPoolStrategy(size=self.workers, max_tasks_in_flight_per_actor=1,
-                                             max_concurrent_calls_per_actor=1, enable_true_multi_threading=False)
-        return dataset.map_batches(actor, batch_size=1, **self.resources, compute=compute,
-                                   fn_constructor_kwargs=constructor_kwargs)
 
 
 def size_actor_pool(*, items: int, num_workers: int | None, num_gpus_per_worker: float, threads: int | None,
@@ -100,3 +70,14 @@ def size_actor_pool(*, items: int, num_workers: int | None, num_gpus_per_worker:
     resources = {"num_gpus": num_gpus_per_worker} if gpus else {"num_cpus": 1}
     return ActorPool(workers, threads, resources, "GPU" if gpus else "CPU")
 
+
+@contextmanager
+def ray_for_job(address: str | None, workers: int | None) -> Iterator[None]:
+    """`connect_ray` for the block; a Ray this started is shut down after it, one joined is left running."""
+    owned = connect_ray(address, workers)
+    try:
+        yield
+    finally:
+        if owned:
+            import ray
+            ray.shutdown()
