@@ -27,10 +27,14 @@ def local_s3_bucket(bucket: str = "beagle-test") -> Iterator[str]:
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # fsspec caches filesystem instances by their arguments, not by the environment: an S3FileSystem made
+    # for an earlier test's server (another port) would be handed out again. Clear the cache both ways.
+    s3fs.S3FileSystem.clear_instance_cache()
     try:
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
         yield f"s3://{bucket}"
     finally:
+        s3fs.S3FileSystem.clear_instance_cache()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
