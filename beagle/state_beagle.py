@@ -15,7 +15,6 @@ keys and values are target states only, there is no fusion of token and state, a
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

@@ -22,7 +22,10 @@ def _human_bytes(count: float) -> str:
 def info_facts(manifest: dict) -> dict:
     """The facts `info --json` prints: stable keys other tools may rely on."""
     counts = manifest["counts"]
-    store_bytes = sum(s["bytes"] for s in manifest["shards"]) + sum(f["bytes"] for f in manifest["files"].values())
+    from pipeline.store.catalog import manifest_facts
+
+    catalog = manifest_facts(manifest)  # the size and codec `ls` shows too
+    store_bytes = catalog["bytes"]
     return {
         "schema_version": manifest["schema_version"],
         "dataset_id": manifest["dataset_id"],
@@ -34,7 +37,7 @@ def info_facts(manifest: dict) -> dict:
         "hidden_size": manifest["hidden_size"],
         "layers": manifest["layers"],
         "dtype": manifest["dtype"],
-        "compression": manifest.get("capture", {}).get("compression", "none"),
+        "compression": catalog["compression"],
         "max_length": manifest.get("capture", {}).get("max_length"),
         "target": {k: v for k, v in manifest["target"].items() if k != "architecture"},
         "architecture": manifest["target"].get("architecture", {}),
