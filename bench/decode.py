@@ -79,7 +79,7 @@ def main() -> None:
     drafter, vocabulary_note = select_draft_vocabulary(drafter, meta, args.draft_vocab, args.draft_vocab_store, eos)
     if vocabulary_note:
         which += f", {vocabulary_note}"
-    items = load_prompts(args.prompts, args.limit)
+    items = load_prompts(args.prompts, args.limit).items
     items = [type(item)(item.prompt_id, item.history, item.turns[:1]) for item in items]  # first turns only
 
     print(f"model {args.model} ({args.dtype}), drafter {which} ({drafter_dtype}), device {device}, "

@@ -178,7 +178,7 @@ def decoding_rows(work: Path, plan: Plan, device: torch.device) -> list[tuple[st
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Tell me about draft {i} and verify {i}."}) + "\n"
                                for i in range(plan.decode_prompts)))
-    items = load_prompts(prompts)
+    items = load_prompts(prompts).items
     eos: set[int] = set()  # random weights: every answer runs to the token budget, equal work on both sides
     rows = []
     for name, shape in (("chain d5", DraftConfig.chain(depth=5)), ("tree d5 k4 n16", DraftConfig(5, 4, 16))):

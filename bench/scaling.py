@@ -215,7 +215,7 @@ class Evaluator:
         self.device = pick_device("cpu")
         self.model, self.tokenizer = load_target(str(DEMO_MODEL), "float32", self.device)
         self.eos = eos_token_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-        items = load_prompts(DEMO_QUESTIONS, prompts)
+        items = load_prompts(DEMO_QUESTIONS, prompts).items
         self.items = [type(item)(item.prompt_id, item.history, item.turns[:1]) for item in items]
         self.max_new_tokens = max_new_tokens
 

@@ -24,6 +24,7 @@ FLOORS: dict[str, tuple[str, str, str]] = {
     "blake3": ("1.0", "the store's file checksums", ""),
     "ml_dtypes": ("0.5", "bfloat16 and float8_e4m3fn numpy dtypes of stored states", ""),
     "fsspec": ("2024.2", "object-store URLs", ""),
+    "ijson": ("3.2", "JSON array inputs, streamed (beagle/records/json_arrays.py: basic_parse, get_backend)", ""),
     "ray": ("2.30", "Ray Data and actors for extract and regenerate", ""),
     "click": ("8.1", "the command line", ""),
     "safetensors": ("0.4", "head and drafter files", ""),

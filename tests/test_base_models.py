@@ -42,7 +42,7 @@ def _greedy(model, ids: list[int], new_tokens: int, eos: int) -> list[int]:
 def test_a_text_prompt_is_tokenized_as_it_is(base):
     tokenizer = base["tokenizer"]
     assert not getattr(tokenizer, "chat_template", None)
-    items = load_prompts(base["texts"])
+    items = load_prompts(base["texts"]).items
     assert [(item.prompt_id, item.text, item.turns) for item in items][0] == ("fox", True, ("The quick brown fox",))
     ids = render(tokenizer, [{"role": "text", "content": "The quick brown fox"}])
     assert ids == tokenizer("The quick brown fox")["input_ids"]

@@ -81,17 +81,18 @@ def test_eval_refuses_a_drafter_for_another_vocabulary(setup, tmp_path):
 
 def test_prompt_formats(setup, tmp_path):
     root, prompts, tokenizer = setup
-    items = load_prompts(prompts)
+    items = load_prompts(prompts).items
     assert [item.turns for item in items] == [("w1 w2 w3", "w4 w5"), ("w7 w7 w9 w10 w11",), ("w20 w21",),
                                               ("w31 w32",)]
     assert items[0].prompt_id == "81"
     assert items[3].history == ({"role": "system", "content": "w30"},)  # the stored answer was dropped
-    assert len(load_prompts(prompts, limit=2)) == 2
+    assert len(load_prompts(prompts, limit=2).items) == 2
     ids = render(tokenizer, [{"role": "user", "content": "w1 w2"}])
     assert tokenizer.convert_ids_to_tokens(ids) == ["<|user|>", "w1", "w2", "<|end|>", "<|assistant|>"]
     assert eos_token_ids(tokenizer) == {tokenizer.eos_token_id}
-    for bad, message in (({"title": "x"}, "no 'turns'"), ({"text": " "}, "empty"), ({"turns": []}, "non-empty"),
-                         ({"messages": [{"role": "assistant", "content": "x"}]}, "end with a user")):
+    for bad, message in (({"title": "x"}, "missing_field"), ({"text": " "}, "empty_text"),
+                         ({"turns": []}, "empty_conversation"),
+                         ({"messages": [{"role": "assistant", "content": "x"}]}, "no_user_turn")):
         with pytest.raises(ValueError, match=message):
             load_prompts(write_jsonl(tmp_path / "bad.jsonl", [bad]))
     (tmp_path / "broken.jsonl").write_text("{not json\n")
@@ -240,3 +241,25 @@ def test_eval_runs_a_target_that_ships_its_own_code_only_with_trust_remote_code(
     result = CliRunner().invoke(main, base + ["--trust-remote-code"])
     assert result.exit_code == 0, result.output
     assert marker.exists() and "outputs match plain greedy decoding" in result.output
+
+
+def test_eval_reads_a_parquet_prompt_file_and_reports_the_records_it_skips(setup, tmp_path):
+    """eval reads what extract reads (here Parquet, with OpenAI content parts) and skips a bad record
+    aloud, naming its file and reason, instead of failing the run or dropping it silently."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root, _, _ = setup
+    rows = [{"id": "parts", "messages": [{"role": "user", "content": [{"type": "text", "text": "w1 "},
+                                                                     {"type": "text", "text": "w2"}]}]},
+            {"id": "bad", "messages": [{"role": "tool", "content": [{"type": "text", "text": "w3"}]}]},
+            {"id": "plain", "messages": [{"role": "user", "content": [{"type": "text", "text": "w4 w5"}]}]}]
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    result = CliRunner().invoke(main, [
+        "eval", "--model", str(root / "target"), "--drafter", str(root / "run" / "drafter"), "--prompts", str(path),
+        "--max-new-tokens", "6", "--chain", "--depth", "2", "--json", str(tmp_path / "e.json"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "skipped 1 prompt record(s) that cannot be asked (no_user_turn 1)" in result.output
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert report["num_prompts"] == 2 and [r["index"] for r in report["rejected_prompts"]] == [1]

@@ -5,7 +5,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.extract.inputs import REJECT_REASONS, read_inputs
+from beagle.records import RejectReason
+from tests.read_all import read_inputs
+
+REJECT_REASONS = {reason.value for reason in RejectReason}
 
 CHATS = [
     {"id": "s1", "conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]},
@@ -139,18 +142,29 @@ def test_invalid_utf8_is_rejected_not_replaced(tmp_path):
     assert "line 2: byte 13 is not UTF-8" in result.rejects[0]["detail"]
 
 
+class _ShortReads:
+    """A binary file whose reads return at most `block` bytes: the parser's buffers end anywhere."""
+
+    def __init__(self, handle, block):
+        self.handle, self.block = handle, block
+
+    def read(self, size=-1):
+        return self.handle.read(self.block if size < 0 else min(size, self.block))
+
+
 def test_a_json_array_is_read_element_by_element_across_any_block_boundary(tmp_path):
-    """.json arrays are streamed (bounded memory), so every block boundary must parse as json.load does."""
+    """.json arrays are streamed through ijson (bounded memory): every buffer boundary must parse as json.load
+    does, integers beyond 64 bits included (yajl refuses them; the Python backend takes over)."""
     import random
 
-    from pipeline.jobkit.records import json_array_items
+    from beagle.records.json_arrays import json_array_items
 
     rng = random.Random(0)
 
     def value(depth=0):
         roll = rng.random()
         if depth > 3 or roll < 0.3:
-            return rng.choice([1, -2.5e10, 12345678901234567890123, 'a"b\\é ✓', True, None, 0.1, ""])
+            return rng.choice([1, -2.5e10, 12345678901234567890123, 'a"b\\é ✓ \U0001F600', True, None, 0.1, ""])
         if roll < 0.65:
             return [value(depth + 1) for _ in range(rng.randint(0, 4))]
         return {f"k{i}": value(depth + 1) for i in range(rng.randint(0, 4))}
@@ -159,13 +173,37 @@ def test_a_json_array_is_read_element_by_element_across_any_block_boundary(tmp_p
     for _ in range(60):
         rows = [value() for _ in range(rng.randint(0, 12))]
         path.write_text(json.dumps(rows, indent=rng.choice([None, 1]), ensure_ascii=rng.random() < 0.5))
-        for block in (1, 2, 3, 7, 1 << 20):
-            assert list(json_array_items(path, 10**6, block)) == rows
-    for broken in ("[1,]", "[1 2]", "[", "[1,", "[1] x", '["abc', "[1]]", "[,1]", "[-2.5e]"):
+        for block in (1, 3, 7, 1 << 20):
+            assert list(json_array_items(path, max_element_bytes=10**6, reader=lambda h: _ShortReads(h, block))) == rows
+    for broken in ("[1,]", "[1 2]", "[", "[1,", "[1] x", '["abc', "[1]]", "[,1]", "[-2.5e]", "{}", ""):
         path.write_text(broken)
         for block in (1, 3, 100):
             with pytest.raises(ValueError):
-                list(json_array_items(path, 10**6, block))
+                list(json_array_items(path, max_element_bytes=10**6, reader=lambda h: _ShortReads(h, block)))
     path.write_text(json.dumps([{"text": "x" * 5000}, 1]))
-    with pytest.raises(ValueError, match="longer than 1,000 characters"):
-        list(json_array_items(path, 1000, 64))
+    rows = list(json_array_items(path, max_element_bytes=1000, reader=lambda h: _ShortReads(h, 64)))
+    assert rows[0].reason == "too_large" and rows[1] == 1  # the element is not built; the next one is read
+
+
+def test_json_array_guards_what_yajl_would_change_or_choke_on(tmp_path):
+    """A lone surrogate escape survives (rejected later as invalid_text, never replaced by '?'), and an element
+    nested a million levels deep is read in flat memory and rejected alone."""
+    from beagle.records.json_arrays import ArrayStats, json_array_items
+
+    path = tmp_path / "rows.json"
+    path.write_bytes(b'[{"text": "bad \\ud800 escape"}, {"text": "pair \\ud83d\\ude00"}]')
+    stats = ArrayStats()
+    assert list(json_array_items(path, max_element_bytes=10**6, stats=stats)) == [
+        {"text": "bad \ud800 escape"}, {"text": "pair \U0001F600"}]
+    assert stats.backend == "python"
+    depth = 10**6
+    path.write_bytes(b"[" + b"[" * depth + b"]" * depth + b', {"text": "after"}]')
+    rows = list(json_array_items(path, max_element_bytes=10**8))
+    assert rows[0].reason == "malformed_json" and "nested" in rows[0].detail and rows[1] == {"text": "after"}
+    result = read_inputs([str(path)])
+    assert [r.text for r in result.records] == ["after"] and result.rejects[0]["reason"] == "malformed_json"
+    path.write_bytes(b'[{"text": "kept"}, {"text": "cut')
+    stats = ArrayStats()
+    assert list(json_array_items(path, max_element_bytes=10**6, allow_truncated=True,
+                                 stats=stats)) == [{"text": "kept"}]
+    assert stats.truncated and not stats.closed

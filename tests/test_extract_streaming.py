@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pipeline.jobkit.target import load_tokenizer
-from pipeline.extract.inputs import read_inputs, scan_inputs, stream_inputs
+from pipeline.extract.inputs import scan_inputs, stream_inputs
+from tests.read_all import read_inputs
 from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from tests.tiny import build_target
 

@@ -12,7 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.extract.actor import tokenize_records
-from pipeline.extract.inputs import REJECT_REASONS, read_inputs
+from beagle.records import RejectReason
+from tests.read_all import read_inputs
+
+REJECT_REASONS = {reason.value for reason in RejectReason}
 from tests.tiny import build_tokenizer
 
 ROLES = ["human", "user", "gpt", "assistant", "system", "model", "tool", "function", "", "USER", "Gpt"]
@@ -161,8 +164,11 @@ def test_the_generators_do_reach_every_kind_of_outcome(tmp_path, tokenizer):
     assert [kind for kind, _ in results].count("sample") >= 2
 
 
-def test_a_hostile_json_array_file_fails_at_once_naming_the_file(tmp_path):
+def test_a_hostile_json_array_element_is_rejected_alone_and_a_broken_file_named(tmp_path):
     path = tmp_path / "deep.json"
-    path.write_text("[" * 5000 + "]" * 5000)
-    with pytest.raises(ValueError, match=r"deep.json: not valid JSON \(nested too deeply\)"):
+    path.write_text("[" * 5000 + "]" * 5000)  # one element nested 4,999 deep
+    read = read_inputs([str(path)])
+    assert read.records == [] and [r["reason"] for r in read.rejects] == ["malformed_json"]
+    path.write_text('[{"text": "fine"}, {"text": oops}]')
+    with pytest.raises(ValueError, match=r"deep.json: not valid JSON \(.*after element 1\)"):
         read_inputs([str(path)])

@@ -10,7 +10,10 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main as cli_main
-from pipeline.extract.inputs import REJECT_REASONS, read_inputs
+from beagle.records import RejectReason
+from tests.read_all import read_inputs
+
+REJECT_REASONS = {reason.value for reason in RejectReason}
 
 
 def test_a_huge_line_is_rejected_having_read_no_more_than_the_limit_at_once(tmp_path):

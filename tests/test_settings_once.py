@@ -51,3 +51,34 @@ def test_a_flag_left_out_keeps_the_config_files_value(tmp_path):
     path.write_text("lr = 0.002\nwindow_size = 3\nsimulation_steps = 2\n")
     config = build_config(str(path), {"lr": None, "window_size": None, "seed": 7})
     assert (config.lr, config.window_size, config.seed) == (0.002, 3, 7)
+
+
+def _job_options_match_their_fields(command: click.Command, configs: tuple[type, ...], described: set[str]) -> None:
+    """Every option named like a field of the job's configs defaults to that field's value (shown in --help)."""
+    options = _options(command)
+    checked = 0
+    for config in configs:
+        for field in dataclasses.fields(config):
+            option = options.get(field.name)
+            if option is None or field.name in described or field.default is dataclasses.MISSING or option.is_flag:
+                continue  # a flag is off unless given
+            default = option.default
+            if field.name == "layers":  # a comma-separated string parsed by a callback
+                default = tuple(int(v) for v in str(default).split(","))
+            assert default == field_default(config, field.name), f"{command.name} --{field.name}"
+            if field.default is not None and not isinstance(field.default, bool):  # None: decided at run time
+                assert option.show_default, f"{command.name} --{field.name}: its help shows no default"
+                checked += 1
+    assert checked >= 6, f"{command.name}: only {checked} options matched config fields"
+
+
+def test_extract_and_regenerate_defaults_are_their_configs():
+    from pipeline.extract.cli import extract
+    from pipeline.extract.pipeline import ExtractConfig
+    from pipeline.regenerate.cli import regenerate
+    from pipeline.regenerate.generation import GenerateConfig
+    from pipeline.regenerate.job import RegenerateConfig
+
+    # store_dtype, batch_tokens, num_workers, device_map, address, limit: None = decided at run time, and said so
+    _job_options_match_their_fields(extract, (ExtractConfig,), {"store_dtype", "batch_tokens"})
+    _job_options_match_their_fields(regenerate, (GenerateConfig, RegenerateConfig), set())

@@ -12,6 +12,7 @@ from beagle.devices import DTYPES
 from beagle.decoding.tree import DraftConfig
 from pipeline.commands.errors import reports_errors
 from pipeline.commands.options import default_option
+from pipeline.jobkit.rejects import count_reasons, format_reasons
 
 HALF_DTYPES = ("bfloat16", "float16")  # where greedy equality is reported, not enforced (see --strict)
 
@@ -62,8 +63,10 @@ def _check_stores(stores: list[str]) -> None:
               help="Local HF directory of the target causal LM.")
 @click.option("--drafter", "drafter_dir", required=True, type=click.Path(exists=True, file_okay=False),
               help="RUN/drafter directory written by `beagle-pipeline train`.")
-@click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="MT-Bench question.jsonl, or JSONL with 'prompt' or 'messages'.")
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(exists=True),
+              help="Prompts in any input format `extract` reads (JSONL, JSON array, Parquet, `datasets` folder): "
+                   "MT-Bench question.jsonl, or records with `prompt`, `messages`, `conversations` or `text`. "
+                   "Records that cannot be asked are skipped and reported.")
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--chain/--tree", default=False, show_default=True,
               help="Top-1 chain of --depth tokens, or the EAGLE-2 dynamic tree.")
@@ -135,7 +138,14 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     config = (DraftConfig.chain(depth, temperature, not no_concat, min_confidence) if chain else
               DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
                           concatenate=not no_concat, min_confidence=min_confidence))
-    items = load_prompts(prompts_path, limit)
+    loaded = load_prompts(prompts_path, limit, skip_rejects=True)
+    items = loaded.items
+    if loaded.rejects:
+        first = loaded.rejects[0]
+        click.echo(f"skipped {len(loaded.rejects)} prompt record(s) that cannot be asked "
+                   f"({format_reasons(count_reasons(loaded.rejects))}); the first: {first['source']} "
+                   f"{'line ' + str(first['line']) if 'line' in first else 'record ' + str(first['index'])}: "
+                   f"{first['detail']}", err=True)
     torch_device = pick_device(device)
     torch.manual_seed(seed)
     model, tokenizer = load_target(TargetSpec(model_path, dtype, trust_remote_code), device=torch_device)
@@ -158,6 +168,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     if min_confidence > 0:
         shape += f" min-confidence {min_confidence:g}"
     report = summary.to_json()
+    report["rejected_prompts"] = loaded.rejects
     click.echo(f"prompts: {summary.num_prompts}  max new tokens: {max_new_tokens}  draft: {shape}"
                f"{' no-concat' if no_concat else ''}  temperature: {temperature}  dtype: {dtype}  "
                f"device: {torch_device}")

@@ -246,7 +246,7 @@ def _build_sharegpt(cache: DemoCache, source: packages.LocatedFile, config: Prep
     cut = f"file cut after record {decoded.records}" if decoded.truncated else "file complete"
     progress.finish(f"sharegpt: {written} conversations ({cut}) -> {record['path']}")
     record.update(conversations=written, decoded_records=decoded.records, truncated=decoded.truncated,
-                  truncated_chars=decoded.truncated_chars, skipped=kept.skipped)
+                  unreadable_records=decoded.unreadable, skipped=kept.skipped)
     return record
 
 

@@ -14,11 +14,12 @@ import threading
 import time
 from typing import Any
 
+from beagle.records import RejectReason, RejectRecord
 from pipeline.extract.chat import tokenize_record
 from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.forward import ForwardConfig, TargetForward
 from pipeline.store.format import StoreEncoding
-from pipeline.extract.inputs import Record, RejectRecord
+from pipeline.extract.inputs import Record
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,11 @@ def tokenize_records(tokenizer: Any, records: list[Record], *, max_length: int) 
             tokenized = tokenize_record(tokenizer, record, max_length=max_length)
         except Exception as error:  # noqa: BLE001 - one odd record must not fail a whole tokenize task
             reject = error if isinstance(error, RejectRecord) else RejectRecord(
-                "tokenizer_error", f"{type(error).__name__}: {str(error)[:200]}")
+                RejectReason.TOKENIZER_ERROR, f"{type(error).__name__}: {str(error)[:200]}")
             where = {"source": record.source, "index": record.index}
             if record.line is not None:
                 where["line"] = record.line
-            out.append(("reject", {**where, "sample_id": record.sample_id, "reason": reject.reason,
-                                   "detail": reject.detail}))
+            out.append(("reject", reject.as_dict(**where, sample_id=record.sample_id)))
             continue
         out.append(("sample", {"sample_id": record.sample_id, "input_ids": tokenized.input_ids,
                                "loss_mask": tokenized.loss_mask, "truncated": tokenized.truncated,

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.extract.inputs import Record, RejectRecord
+from beagle.records import RejectReason, RejectRecord
+from pipeline.extract.inputs import Record
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _spans_from_prefixes(tokenizer: Any, messages: list[dict[str, str]], full: s
         prefix = _render(tokenizer, messages[:i], generation_prompt=True)
         upto = _render(tokenizer, messages[:i + 1], generation_prompt=False)
         if not (upto.startswith(prefix) and full.startswith(upto)):
-            raise RejectRecord("template_not_prefix_stable",
+            raise RejectRecord(RejectReason.TEMPLATE_NOT_PREFIX_STABLE,
                                f"rendering turns[:{i + 1}] is not a prefix of the full conversation")
         spans.append(_turn_span(len(prefix), upto[len(prefix):], message["content"]))
     return spans
@@ -164,7 +165,7 @@ def tokenize_chat(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[
     except RejectRecord:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError and friends
-        raise RejectRecord("template_error", str(exc).strip().splitlines()[0][:200] if str(exc) else
+        raise RejectRecord(RejectReason.TEMPLATE_ERROR, str(exc).strip().splitlines()[0][:200] if str(exc) else
                            type(exc).__name__) from None
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     return list(encoded["input_ids"]), _mask_from_spans(encoded["offset_mapping"], spans)
@@ -180,7 +181,7 @@ def tokenize_record(tokenizer: Any, record: Record, *, max_length: int) -> Token
     """Tokenize one record and truncate it at `max_length`; `RejectRecord` when nothing is left to learn."""
     if record.messages is not None:
         if not isinstance(tokenizer.chat_template, str):
-            raise RejectRecord("template_error", "the tokenizer has no chat template")
+            raise RejectRecord(RejectReason.TEMPLATE_ERROR, "the tokenizer has no chat template")
         messages = [{"role": role, "content": content} for role, content in record.messages]
         ids, mask = tokenize_chat(tokenizer, messages)
     else:
@@ -189,6 +190,6 @@ def tokenize_record(tokenizer: Any, record: Record, *, max_length: int) -> Token
     input_ids = np.asarray(ids[:max_length], dtype=np.int32)
     loss_mask = mask[:max_length]
     if not loss_mask.any():
-        raise RejectRecord("no_loss_tokens", f"{len(ids)} tokens, none of them assistant tokens"
+        raise RejectRecord(RejectReason.NO_LOSS_TOKENS, f"{len(ids)} tokens, none of them assistant tokens"
                            + (f" within the first {max_length}" if truncated else ""))
     return Tokenized(input_ids=input_ids, loss_mask=loss_mask, truncated=truncated)

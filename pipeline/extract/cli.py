@@ -4,10 +4,12 @@ from __future__ import annotations
 import click
 
 from beagle.devices import DTYPES
+from pipeline.store.format import COMPRESSIONS
+from pipeline.commands.errors import as_click_error
+from pipeline.commands.options import default_option, field_default
 from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
 from pipeline.jobkit.cli import TqdmProgress, echo_summary
 from pipeline.jobkit.ray_session import quiet_ray_loggers
-from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS
 
 
 def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -23,39 +25,41 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--data", multiple=True, required=True, type=click.Path(),
               help="Input: .jsonl, .json (array), .parquet or a datasets save_to_disk directory. Repeatable.")
 @click.option("--out", required=True, help="Store to write: a local path or an fsspec URL.")
-@click.option("--layers", default="-1", callback=_layers, show_default=True,
+@click.option("--layers", default=",".join(map(str, field_default(ExtractConfig, "layers"))), callback=_layers,
+              show_default=True,
               help="Hidden-state layers to store (HF hidden_states index i = the residual stream entering decoder "
                    "layer i, 0 = embeddings; -1 = after the final norm, what the LM head reads; -2 = the last "
                    "layer's input). -1 trains the paper's Beagle form; the engine form (train --residual state, "
                    "export --format eagle3) also needs a layer it keys on: -2,-1 serves both. Each layer costs "
                    "d x 2 bytes per token in bf16. Comma-separated.")
-@click.option("--max-length", default=2048, show_default=True, help="Truncate samples at this many tokens.")
-@click.option("--dtype", default="bfloat16", show_default=True,
-              type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
+@default_option(ExtractConfig, "max_length", "--max-length", type=click.IntRange(min=1),
+                help="Truncate samples at this many tokens.")
+@default_option(ExtractConfig, "dtype", "--dtype", type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
 @click.option("--store-dtype", type=click.Choice(["float8_e4m3", "int8"]), default=None,
               help="Store the states lossily in one byte a value (plus a float32 scale a token) instead of "
                    "--dtype: int8 (symmetric, per-token absmax) or float8_e4m3. With --compression zstd an "
                    "int8 store is ~0.3x a bf16 one; measured τ in docs/benchmarks.md. [--dtype]")
-@click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
-              help="zstd (level 1, zarr's own codec): smaller files (about 0.75x for bf16, 0.7x for int8 codes), "
+@default_option(ExtractConfig, "compression", "--compression", type=click.Choice(sorted(COMPRESSIONS)),
+                help="zstd (level 1, zarr's own codec): smaller files (about 0.75x for bf16, 0.7x for int8 codes), "
                    "read through zarr instead of a memory map.")
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
               help="Padded tokens per forward batch (rows x longest sample). [16384 on GPUs; 4096 on CPUs, "
                    "where larger batches forward slower: their activations leave the caches]")
 @click.option("--num-workers", type=int, default=None,
               help="Forward actors. Default: one per GPU, or one CPU actor using all cores.")
-@click.option("--num-gpus-per-worker", type=float, default=1.0, show_default=True,
-              help="GPUs per forward actor; > 1 for targets that do not fit one GPU (with --device-map auto).")
+@default_option(ExtractConfig, "num_gpus_per_worker", "--num-gpus-per-worker", type=click.FloatRange(min=0),
+                help="GPUs per forward actor; > 1 for targets that do not fit one GPU (with --device-map auto).")
 @click.option("--device-map", type=click.Choice(["auto"]), default=None,
               help="auto: spread the target's layers over the actor's GPUs (needs accelerate).")
 @click.option("--address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
-@click.option("--max-record-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_RECORD_BYTES, show_default=True,
-              help="Reject (as too_large, in the rejects file) any input record larger than this, unparsed.")
-@click.option("--max-turns", type=click.IntRange(min=1), default=DEFAULT_MAX_TURNS, show_default=True,
-              help="Reject (as too_many_turns) any conversation of more turns than this, before tokenizing: "
+@default_option(ExtractConfig, "max_record_bytes", "--max-record-bytes", type=click.IntRange(min=1),
+                help="Reject (as too_large, in the rejects file) any input record larger than this, unparsed.")
+@default_option(ExtractConfig, "max_turns", "--max-turns", type=click.IntRange(min=1),
+                help="Reject (as too_many_turns) any conversation of more turns than this, before tokenizing: "
                    "finding its loss mask could take minutes.")
-@click.option("--samples-per-shard", default=256, show_default=True, help="Samples per store shard.")
+@default_option(ExtractConfig, "samples_per_shard", "--samples-per-shard", type=click.IntRange(min=1),
+                help="Samples per store shard.")
 @click.option("--overwrite", is_flag=True,
               help="If --out holds a store (or unfinished store) built from other inputs or settings, DELETE it "
                    "before building this one (only the files it lists: a folder holding anything else is "
@@ -89,8 +93,8 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
     progress = TqdmProgress(desc="extract", unit="record", enabled=not no_progress)
     try:
         summary = dry_run_fn(config) if dry_run else run_extract(config, progress=progress)
-    except (ValueError, StoreError) as error:
-        raise click.ClickException(str(error)) from None
+    except (ValueError, StoreError) as error:  # a setting exits 2, data or state 1 (pipeline/commands/errors.py)
+        raise as_click_error(error) from None
     except OSError as error:  # disk full or over quota: committed shards are kept, no manifest is written
         if dry_run or error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

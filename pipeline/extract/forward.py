@@ -18,7 +18,7 @@ import torch
 from beagle.devices import pick_device
 from beagle.layer_capture import LayerCapture, base_model, normalize_layers  # noqa: F401 - re-exported
 from beagle.target_facts import facts_from_config
-from beagle.target_model import load_causal_lm
+from beagle.target_model import TargetSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,11 @@ class ForwardConfig:
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     trust_remote_code: bool = False
     device_map: str | None = None  # "auto": spread layers over every GPU the actor sees (targets > 1 GPU)
+
+    @property
+    def target(self) -> TargetSpec:
+        """How the actor opens the target: the one `TargetSpec` every command uses."""
+        return TargetSpec(self.model_path, self.dtype, self.trust_remote_code, self.device_map)
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -84,8 +89,7 @@ class TargetForward:
         # One device per actor (`.to`); with --device-map, consecutive layers spread over the actor's GPUs
         # (accelerate): inputs then go to the device of the embedding and the states come back from
         # wherever the last layer ran.
-        model = load_causal_lm(config.model_path, dtype=config.dtype, device=self.device,
-                               trust_remote_code=config.trust_remote_code, device_map=config.device_map)
+        model = config.target.load_model(self.device)
         if config.device_map:
             self.device = model.get_input_embeddings().weight.device
         self.model = model

@@ -25,8 +25,9 @@ from typing import Any, Iterator
 
 from beagle.devices import torch_dtype
 from beagle.host_memory import peak_rss_mib
+from beagle.records import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, check_data_path
 from beagle.target_facts import read_target_facts
-from beagle.target_model import check_weights_match, weight_files
+from beagle.target_model import TargetSpec, check_weights_match, weight_files
 from pipeline.extract.chat import has_generation_markers, tokenizer_fingerprint
 from pipeline.extract.dispatch import Forwarded, actor_busy_seconds, write_overlap_seconds
 from pipeline.extract.forward import ForwardConfig, normalize_layers
@@ -40,7 +41,6 @@ from pipeline.jobkit.progress import Progress
 from pipeline.jobkit.ray_session import ray_for_job, size_actor_pool
 from pipeline.jobkit.record_stream import (InputChangedError, InputScan, RecordStream, check_unchanged,
                                            refuse_changed)
-from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, check_data_path
 from pipeline.jobkit.rejects import count_reasons, sorted_rejects
 from pipeline.store.errors import StoreFormatError
 from pipeline.store.format import LOSSY_DTYPES, StoreEncoding
@@ -76,6 +76,11 @@ class ExtractConfig:
     tokenize_chunk: int = 512  # records per tokenize task (fewer when they are long: tokenize_chunk_chars)
     tokenize_chunk_chars: int = 8 << 20  # about this many characters of text per tokenize task at most
     tokenize_tasks: int = 4  # tokenize tasks in flight at once: with the chunk size, the records held at once
+
+    @property
+    def target(self) -> TargetSpec:
+        """How extraction opens the target: the one `TargetSpec` every command uses."""
+        return TargetSpec(self.model_path, self.dtype, self.trust_remote_code, self.device_map)
 
     @property
     def encoding(self) -> StoreEncoding:

@@ -11,14 +11,16 @@ stream is read to its end) refuse to commit output made from bytes other than th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pipeline.jobkit.records import (DEFAULT_MAX_RECORD_BYTES, RejectRecord, _text_bytes, _turns, check_data_path,
-                                     file_identity, iter_raw_records, sha256_path)
+from beagle.records import (DEFAULT_MAX_RECORD_BYTES, RejectReason, RejectRecord, check_data_path, iter_raw_records,
+                            record_turns, text_bytes)
+from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,29 @@ class InputScan:
     identities: list[list[tuple]] = field(default_factory=list)  # file_identity of each input, before hashing
     first_conversation: dict[str, Any] | None = None  # {"source", "index"} of the first conversation
     rejected_by_reason: dict[str, int] = field(default_factory=dict)  # rejects of reading, by reason
+
+
+def sha256_path(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (relative names and bytes, in sorted order)."""
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        update_from_file(digest, file)
+    return digest.hexdigest()
+
+
+def file_identity(path: Path) -> list[tuple]:
+    """What changes whenever a file's bytes may have: device, inode, size, mtime and ctime (ctime cannot
+    be set back by hand), of the file or of each file of a directory. Taken before a file is hashed and
+    again before the store is committed: equal, the bytes read are the bytes hashed."""
+    files = [path] if not path.is_dir() else sorted(p for p in path.rglob("*") if p.is_file())
+    identity = []
+    for file in files:
+        info = file.stat()
+        identity.append((str(file), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+    return identity
 
 
 class InputChangedError(ValueError):
@@ -87,21 +112,11 @@ def stream_records(paths: list[str], normalize: Callable[..., Any], scan: InputS
                         digests=[source["sha256"] for source in scan.sources])
 
 
-def read_records(paths: list[str], normalize: Callable[..., Any], *, limit: int | None = None,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, max_turns: int | None = None,
-                 ) -> tuple[list[Any], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(records, rejects, sources) of every input in order, stopping once `limit` records are usable: a
-    `RecordStream` read whole (tests, small tools); the jobs read it as they go instead."""
-    stream = RecordStream(paths, normalize, limit=limit, max_record_bytes=max_record_bytes, max_turns=max_turns)
-    records = list(stream)
-    return records, stream.rejects, stream.sources
-
-
 class RecordStream:
     """The usable records of the inputs, in input order, read lazily: one pass over the files per iteration.
 
     `normalize(obj, source=, index=, default_id=)` turns one raw record into a frozen dataclass with
-    `sample_id` and `line` fields, or raises `RejectRecord` (or a subclass with its own reasons); a record
+    `sample_id` and `line` fields, or raises `beagle.records.RejectRecord`; a record
     whose id was already seen is rejected as `duplicate_id`. Reading stops once `limit` records are usable.
     While it is iterated, `rejects` collects the rejected records and `sources` each finished file's
     {"path", "sha256", "records"} (records read from it, rejects included): what the dataset_id hashes.
@@ -158,16 +173,17 @@ class RecordStream:
         try:
             if unreadable is not None:
                 raise unreadable
-            if line is None and _text_bytes(obj) > self.max_record_bytes:  # rows of .json / Parquet / datasets
-                raise RejectRecord("too_large", f"{_text_bytes(obj):,} bytes of text, more than "
+            if line is None and text_bytes(obj) > self.max_record_bytes:  # rows of .json / Parquet / datasets
+                raise RejectRecord(RejectReason.TOO_LARGE, f"{text_bytes(obj):,} bytes of text, more than "
                                    f"--max-record-bytes {self.max_record_bytes:,}")
-            turns = _turns(obj)
+            turns = record_turns(obj)
             if self.max_turns is not None and turns > self.max_turns:
-                raise RejectRecord("too_many_turns", f"{turns:,} turns, more than --max-turns {self.max_turns:,}")
+                raise RejectRecord(RejectReason.TOO_MANY_TURNS,
+                                   f"{turns:,} turns, more than --max-turns {self.max_turns:,}")
             record = self.normalize(obj, source=source, index=index, default_id=default_id)
             if record.sample_id in seen_ids:
-                raise RejectRecord("duplicate_id", f"id {record.sample_id!r} seen before")
+                raise RejectRecord(RejectReason.DUPLICATE_ID, f"id {record.sample_id!r} seen before")
         except RejectRecord as reject:
-            self.rejects.append({**where, "reason": reject.reason, "detail": reject.detail})
+            self.rejects.append(reject.as_dict(**where))
             return None
         return dataclasses.replace(record, line=line) if line is not None else record

@@ -4,10 +4,10 @@ from __future__ import annotations
 import click
 
 from beagle.devices import DTYPES
-
+from pipeline.commands.errors import as_click_error
+from pipeline.commands.options import default_option
 from pipeline.jobkit.cli import TqdmProgress, echo_summary
 from pipeline.jobkit.ray_session import quiet_ray_loggers
-from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import RegenerateConfig, run_regenerate
 
@@ -19,28 +19,31 @@ from pipeline.regenerate.job import RegenerateConfig, run_regenerate
               help="Prompts: conversations (`conversations`/`messages`; their answers are discarded), MT-Bench "
                    "`turns` or `prompt` records, in .jsonl, .json, .parquet or a datasets directory. Repeatable.")
 @click.option("--out", required=True, help="Output JSONL of regenerated conversations, ready for `extract --data`.")
-@click.option("--max-new-tokens", default=512, show_default=True, help="Longest answer per turn, in tokens.")
-@click.option("--max-prompt-length", default=2048, show_default=True,
-              help="Longest prompt (history included); a record whose first prompt is longer is rejected, "
+@default_option(GenerateConfig, "max_new_tokens", "--max-new-tokens", type=click.IntRange(min=1),
+                help="Longest answer per turn, in tokens.")
+@default_option(GenerateConfig, "max_prompt_length", "--max-prompt-length", type=click.IntRange(min=1),
+                help="Longest prompt (history included); a record whose first prompt is longer is rejected, "
                    "later turns past it are skipped.")
-@click.option("--max-turns", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Answer only the first N user turns of each conversation (0 = all).")
-@click.option("--temperature", default=0.0, show_default=True,
-              help="0: greedy answers, what `eval --temperature 0` decodes; > 0 samples.")
-@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling when --temperature > 0.")
-@click.option("--seed", default=0, show_default=True, help="Sampling seed (each chunk uses seed + chunk index).")
-@click.option("--dtype", default="bfloat16", show_default=True,
-              type=click.Choice(sorted(DTYPES)), help="Model dtype while generating.")
-@click.option("--batch-size", default=32, show_default=True, help="Conversations per generate call.")
-@click.option("--chunk-size", default=128, show_default=True,
-              help="Conversations per actor task; a crash loses at most the chunks in flight.")
+@default_option(GenerateConfig, "max_turns", "--max-turns", type=click.IntRange(min=0),
+                help="Answer only the first N user turns of each conversation (0 = all).")
+@default_option(GenerateConfig, "temperature", "--temperature", type=click.FloatRange(min=0.0),
+                help="0: greedy answers, what `eval --temperature 0` decodes; > 0 samples.")
+@default_option(GenerateConfig, "top_p", "--top-p", type=click.FloatRange(0.0, 1.0),
+                help="Nucleus sampling when --temperature > 0.")
+@default_option(GenerateConfig, "seed", "--seed", type=int, help="Sampling seed (each chunk uses seed + chunk index).")
+@default_option(GenerateConfig, "dtype", "--dtype", type=click.Choice(sorted(DTYPES)), help="Model dtype while generating.")
+@default_option(GenerateConfig, "batch_size", "--batch-size", type=click.IntRange(min=1),
+                help="Conversations per generate call.")
+@default_option(RegenerateConfig, "chunk_size", "--chunk-size", type=click.IntRange(min=1),
+                help="Conversations per actor task; a crash loses at most the chunks in flight.")
 @click.option("--num-workers", type=int, default=None,
               help="Generation actors. Default: one per GPU, or one CPU actor using all cores.")
-@click.option("--num-gpus-per-worker", type=float, default=1.0, show_default=True, help="GPUs per actor.")
+@default_option(RegenerateConfig, "num_gpus_per_worker", "--num-gpus-per-worker", type=click.FloatRange(min=0),
+                help="GPUs per actor.")
 @click.option("--address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
-@click.option("--max-record-bytes", type=click.IntRange(min=1), default=DEFAULT_MAX_RECORD_BYTES, show_default=True,
-              help="Reject (as too_large, in the rejects file) any input record larger than this, unparsed.")
+@default_option(RegenerateConfig, "max_record_bytes", "--max-record-bytes", type=click.IntRange(min=1),
+                help="Reject (as too_large, in the rejects file) any input record larger than this, unparsed.")
 @click.option("--overwrite", is_flag=True, help="Replace an output (or unfinished work) from other inputs or settings.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -67,8 +70,8 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
     progress = TqdmProgress(desc="regenerate", unit="conv", enabled=not no_progress)
     try:
         summary = run_regenerate(config, progress=progress)
-    except ValueError as error:
-        raise click.ClickException(str(error)) from None
+    except ValueError as error:  # a setting exits 2, data or state 1 (pipeline/commands/errors.py)
+        raise as_click_error(error) from None
     finally:
         progress.close()
     echo_summary(summary, out)

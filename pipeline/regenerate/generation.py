@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from beagle.devices import pick_device
-from beagle.prompts import TEXT_ROLE, eos_token_ids, render
-from beagle.target_model import load_causal_lm
+from beagle.prompts import eos_token_ids, render
+from beagle.records import TEXT_ROLE, RejectReason
+from beagle.target_model import TargetSpec
 from pipeline.jobkit.target import load_tokenizer
 from pipeline.regenerate.prompts import PromptRecord
 
@@ -38,6 +39,11 @@ class GenerateConfig:
     device: str | None = None     # None: cuda when available, else cpu
     threads: int | None = None
     trust_remote_code: bool = False
+
+    @property
+    def target(self) -> TargetSpec:
+        """How the actor opens the target: the one `TargetSpec` every command uses."""
+        return TargetSpec(self.model_path, self.dtype, self.trust_remote_code)
 
 
 @dataclass
@@ -62,8 +68,7 @@ class ConversationGenerator:
             torch.set_num_threads(config.threads)
         self.device = pick_device(config.device)
         self.tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
-        self.model = load_causal_lm(config.model_path, dtype=config.dtype, device=self.device,
-                                    trust_remote_code=config.trust_remote_code)
+        self.model = config.target.load_model(self.device)
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.tokenizer.eos_token_id
@@ -85,7 +90,7 @@ class ConversationGenerator:
                 ids = render(self.tokenizer, self._context(result, turn))
                 if len(ids) > self.config.max_prompt_length:
                     if turn == 0:
-                        result.reject = "prompt_too_long"
+                        result.reject = RejectReason.PROMPT_TOO_LONG.value
                     else:
                         result.dropped_turns = len(result.record.turns) - turn
                     continue

@@ -37,6 +37,7 @@ from beagle.devices import DTYPES
 from beagle.host_memory import peak_rss_mib
 from beagle.target_facts import read_target_facts
 from beagle.target_model import check_weights_match, weight_files
+from beagle.records import DEFAULT_MAX_RECORD_BYTES
 from pipeline.jobkit.dispatch import ActorDispatcher, ActorSpec
 from pipeline.jobkit.identity import identity_sha256
 from pipeline.jobkit.outputs import output_lock, write_lines
@@ -44,7 +45,6 @@ from pipeline.jobkit.plan import chunked, run_chunks
 from pipeline.jobkit.progress import Progress
 from pipeline.jobkit.ray_session import ray_for_job, size_actor_pool
 from pipeline.jobkit.record_stream import InputChangedError, InputScan, check_unchanged, refuse_changed
-from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES
 from pipeline.store import atomic
 from pipeline.jobkit.rejects import count_reasons, format_reasons, sorted_rejects
 from pipeline.jobkit.target import load_tokenizer, target_fingerprint

@@ -4,30 +4,15 @@ Accepts what `extract` accepts (`conversations` / `messages`; their assistant tu
 the target writes its own) plus prompt-only data: MT-Bench `turns` and `{"prompt": ...}`. A `{"text": ...}`
 record is continued as it is (no chat template): how a base model answers. A record that
 cannot be used becomes a reject dict naming its file, record and reason, like extraction's. Records are
-parsed by `beagle.prompts.parse_prompt_record`, the parser evaluation reads its prompt files with.
+read and parsed by `beagle.records`, as extraction's and evaluation's are.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from beagle.prompts import PROMPT_REJECT_REASONS, PromptRecordError, parse_prompt_record
+from beagle.records import DEFAULT_MAX_RECORD_BYTES, TEXT_ROLE, RejectReason, RejectRecord, parse_record
 from pipeline.jobkit.record_stream import InputScan, RecordStream, scan_records, stream_records
-from pipeline.jobkit.records import DEFAULT_MAX_RECORD_BYTES, RejectRecord
-
-# Reasons a record can be rejected by regeneration (written to the rejects file by these keys).
-REGENERATE_REJECT_REASONS: dict[str, str] = {
-    "malformed_json": "a JSONL line that does not parse as JSON",
-    **PROMPT_REJECT_REASONS,
-    "duplicate_id": "a record whose `id` was already seen in the inputs",
-    "prompt_too_long": "the first turn's prompt is longer than --max-prompt-length tokens",
-}
-
-
-class RejectPrompt(RejectRecord):
-    """One record that cannot be regenerated; `reason` is a key of REGENERATE_REJECT_REASONS."""
-
-    reasons = REGENERATE_REJECT_REASONS
 
 
 @dataclass(frozen=True)
@@ -44,23 +29,20 @@ class PromptRecord:
 
 
 def normalize_prompt_record(obj: Any, *, source: str, index: int, default_id: str) -> PromptRecord:
-    """One raw record -> `PromptRecord` (system prompt and non-blank user turns), or `RejectPrompt`.
+    """One raw record -> `PromptRecord` (system prompt and non-blank user turns), or `RejectRecord`.
 
-    Stored assistant turns are dropped, and so are system messages after the first user turn.
+    Stored assistant turns are dropped unread, and so are system messages after the first user turn.
     """
-    try:
-        parsed = parse_prompt_record(obj)
-    except PromptRecordError as error:
-        raise RejectPrompt(error.reason, error.detail) from None
-    if parsed.shape == "text":
-        return PromptRecord(parsed.prompt_id or default_id, source, index, (), (parsed.messages[0]["content"],),
+    parsed = parse_record(obj, check_answers=False)
+    if parsed.messages[0]["role"] == TEXT_ROLE:
+        return PromptRecord(parsed.record_id or default_id, source, index, (), (parsed.messages[0]["content"],),
                             text=True)
     first_user = next((k for k, m in enumerate(parsed.messages) if m["role"] == "user"), len(parsed.messages))
     system = tuple(m["content"] for m in parsed.messages[:first_user] if m["role"] == "system")
     turns = tuple(m["content"] for m in parsed.messages if m["role"] == "user" and m["content"].strip())
     if not turns:
-        raise RejectPrompt("no_user_turn", "no non-empty user turn")
-    return PromptRecord(parsed.prompt_id or default_id, source, index, system, turns)
+        raise RejectRecord(RejectReason.NO_USER_TURN, "no non-empty user turn")
+    return PromptRecord(parsed.record_id or default_id, source, index, system, turns)
 
 
 def _is_conversation(record: PromptRecord) -> bool:
