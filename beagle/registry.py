@@ -74,8 +74,6 @@ FORMS: dict[str, DrafterForm] = {form.name: form for form in (
                 "the EAGLE-2 baseline, teacher-forced in every stage (docs/method.md §7)"),
 )}
 
-TRAINABLE = ("beagle", "eagle2")  # `train --drafter`; `--residual state` turns beagle into beagle-state
-
 
 def form_named(name: str | None, *, where: str = "drafter_type") -> DrafterForm:
     """The form a config.json's drafter_type names ("beagle" when absent: drafters exported before forms)."""

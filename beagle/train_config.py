@@ -14,7 +14,7 @@ from typing import Any
 from beagle.errors import SettingsError
 
 
-DRAFTERS = ("beagle", "eagle2")          # beagle.registry.TRAINABLE; with residual="state" beagle is beagle-state
+DRAFTERS = ("beagle", "eagle2")  # `train --drafter`: each resolves to a form of beagle.registry by form_for (with residual="state" beagle is beagle-state); said here, not there, so that `train --help` loads no model code
 RESIDUALS = ("embedding", "state")
 
 

@@ -230,3 +230,12 @@ def test_state_form_settings_are_checked_with_the_fix(tmp_path):
     last_only = build_tiny_store(tmp_path / "last", num_samples=4)
     with pytest.raises(ValueError, match=r"residual stream entering decoder layers.*--layers"):
         StoreSet([last_only], aux_keys=True)
+
+
+def test_every_train_drafter_choice_resolves_to_a_registered_form():
+    """`train --drafter` offers train_config.DRAFTERS; each must name a form of the one registry."""
+    from beagle.registry import FORMS
+    from beagle.train_config import DRAFTERS, RESIDUALS
+
+    assert {form_for(drafter, "embedding").name for drafter in DRAFTERS} | {form_for("beagle", "state").name} == set(FORMS)
+    assert "state" in RESIDUALS
