@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from beagle.block import (RMSNorm, SwiGLU, add_block_layers, attend_and_mix, grouped_attention,  # noqa: F401
-                          project_kv, project_queries, rotary)
+from beagle.block import RMSNorm, SwiGLU, add_block_layers, attend_and_mix, project_kv, project_queries, rotary
 from beagle.target_facts import architecture_values
 
 RESIDUALS = ("embedding", "state")

@@ -6,7 +6,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.extract.actor import ShardExtractor
-from pipeline.extract.forward import ForwardConfig, TargetForward, normalize_layers, plan_batches, states_to_host
+from beagle.layer_capture import normalize_layers
+from pipeline.extract.forward import ForwardConfig, TargetForward, plan_batches, states_to_host
 from pipeline.jobkit.target import target_fingerprint
 from beagle.store_tensors import open_store
 from pipeline.store import begin_store, commit_manifest, committed_shards, compute_dataset_id, store_identity

@@ -83,7 +83,7 @@ def test_load_refuses_missing_directory(tmp_path):
 def test_grouped_attention_expanded_equals_broadcast_heads():
     """The CUDA path (KV heads expanded, so the memory-efficient kernel takes the mask) and the CPU path
     (enable_gqa) compute the same attention."""
-    from beagle.model import grouped_attention
+    from beagle.block import grouped_attention
 
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, 5, 16, generator=generator)             # [B, H, Lq, hd]

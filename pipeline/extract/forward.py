@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from beagle.devices import pick_device
-from beagle.layer_capture import LayerCapture, base_model, normalize_layers  # noqa: F401 - re-exported
+from beagle.layer_capture import LayerCapture, base_model, normalize_layers
 from beagle.target_facts import facts_from_config
 from beagle.target_model import TargetSpec
 

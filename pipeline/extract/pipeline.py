@@ -25,12 +25,13 @@ from typing import Any, Iterator
 
 from beagle.devices import torch_dtype
 from beagle.host_memory import peak_rss_mib
+from beagle.layer_capture import normalize_layers
 from beagle.records import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, check_data_path
 from beagle.target_facts import read_target_facts
 from beagle.target_model import TargetSpec, check_weights_match, weight_files
 from pipeline.extract.chat import has_generation_markers, tokenizer_fingerprint
 from pipeline.extract.dispatch import Forwarded, actor_busy_seconds, write_overlap_seconds
-from pipeline.extract.forward import ForwardConfig, normalize_layers
+from pipeline.extract.forward import ForwardConfig
 from pipeline.extract.inputs import scan_inputs, stream_inputs
 from pipeline.extract.stream import ChunkSize, SampleCounts, form_shards, tokenized
 from pipeline.extract.summary import ExtractSummary
