@@ -56,7 +56,7 @@ $(SPECULATORS_STAMP):
 speculators-venv: $(SPECULATORS_STAMP)
 
 test: $(STAMP) speculators-venv $(VLLM_STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -rs tests  # -rs: every skip is listed with its reason
 
 test-fast: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m "not slow" tests
