@@ -4,12 +4,12 @@ from __future__ import annotations
 import click
 
 from beagle.devices import DTYPES
-from pipeline.store.format import COMPRESSIONS
 from pipeline.commands.errors import as_click_error
 from pipeline.commands.options import default_option, field_default
 from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
 from pipeline.jobkit.cli import TqdmProgress, echo_summary
 from pipeline.jobkit.ray_session import quiet_ray_loggers
+from pipeline.store.format import COMPRESSIONS
 
 
 def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:

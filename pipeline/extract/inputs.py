@@ -14,6 +14,7 @@ from beagle.records import (DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, TEXT_RO
                             parse_record)
 from pipeline.jobkit.record_stream import InputScan, RecordStream, scan_records, stream_records
 
+
 @dataclass(frozen=True)
 class Record:
     """One usable input record. `messages` is set for chats, `text` for plain text records."""
