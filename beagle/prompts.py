@@ -17,7 +17,8 @@ from typing import Any
 
 from beagle.errors import InputError
 from beagle.records import (DEFAULT_MAX_RECORD_BYTES, TEXT_ROLE, RejectReason, RejectRecord, check_data_path,
-                            iter_raw_records, parse_record, text_bytes)
+                            iter_raw_records, parse_record)
+from beagle.records.messages import PROMPT_SHAPES
 from beagle.target_facts import token_ids
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def prompt_item(obj: Any, default_id: str) -> PromptItem:
     prompt_id = parsed.record_id or default_id
     if parsed.shape == "text":
         return PromptItem(prompt_id, (), (parsed.messages[0]["content"],), text=True)
-    if parsed.shape in ("turns", "prompt"):
+    if parsed.shape in PROMPT_SHAPES:
         return PromptItem(prompt_id, (), tuple(m["content"] for m in parsed.messages))
     messages = list(parsed.messages)
     while messages and messages[-1]["role"] == "assistant":
@@ -72,9 +73,6 @@ def load_prompts(path: str | Path, limit: int | None = None, *, skip_rejects: bo
         try:
             if unreadable is not None:
                 raise unreadable
-            if text_bytes(obj) > max_record_bytes:
-                raise RejectRecord(RejectReason.TOO_LARGE, f"{text_bytes(obj):,} bytes of text, more than "
-                                   f"{max_record_bytes:,}")
             items.append(prompt_item(obj, f"{path.name}:{index}"))
         except RejectRecord as reject:
             if not skip_rejects:

@@ -39,32 +39,17 @@ def iter_raw_records(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_B
     """Yield (index, raw object, reject or None, line number or None) for every record of one input.
 
     JSONL is read as bytes, line by line: a line over `max_record_bytes` is rejected unread, one that is
-    not UTF-8 is rejected (not patched with replacement characters), then it is parsed. A JSON array's
-    elements are built one at a time (elements a little over the limit are still read, and rejected as
-    too_large record by record); a file that is not one valid JSON array raises `InputError` after the
-    elements before the fault, since no line boundary tells where the next good record starts."""
-    if path.is_dir():
-        yield from _dataset_rows(path, flag)
-        return
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-        index = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield index, row, None, None
-                index += 1
-        return
-    if suffix == ".json" and _starts_array(path):
-        try:
-            for i, row in enumerate(json_array_items(path, max_element_bytes=4 * max_record_bytes)):
-                if isinstance(row, RejectRecord):
-                    yield i, None, row, None
-                else:
-                    yield i, row, None, None
-        except JsonArrayError as exc:
-            raise InputError(f"{flag} {path}: not valid JSON ({exc}); fix the file or convert it to JSONL, where "
-                             "a bad line is rejected on its own") from None
+    not UTF-8 is rejected (not patched with replacement characters), then it is parsed. A row of any other
+    format (a JSON array's element, built one at a time; a Parquet or `datasets` row) whose text passes
+    `max_record_bytes` is rejected as too_large; a file that is not one valid JSON array raises `InputError`
+    after the elements before the fault, since no line boundary tells where the next good record starts."""
+    if path.is_dir() or path.suffix.lower() == ".parquet" or (path.suffix.lower() == ".json" and _starts_array(path)):
+        for i, row in enumerate(_rows(path, max_record_bytes, flag)):
+            size = 0 if isinstance(row, RejectRecord) else text_bytes(row)
+            if size > max_record_bytes:
+                row = RejectRecord(RejectReason.TOO_LARGE, f"{size:,} bytes of text, more than --max-record-bytes "
+                                   f"{max_record_bytes:,}")
+            yield (i, None, row, None) if isinstance(row, RejectRecord) else (i, row, None, None)
         return
     with open(path, "rb") as handle:  # bytes: a line's size is checked before it is decoded or parsed
         for i, (raw, size) in enumerate(bounded_lines(handle, max_record_bytes)):
@@ -88,17 +73,30 @@ def iter_raw_records(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_B
             yield i, obj, None, i + 1
 
 
-def _dataset_rows(path: Path, flag: str) -> Iterator[tuple[int, Any, None, None]]:
-    import datasets
-    try:
-        data = datasets.load_from_disk(str(path))
-    except Exception as exc:  # noqa: BLE001 - datasets raises several types here
-        raise InputError(f"{flag} {path}: not a `datasets` directory made by save_to_disk ({exc})") from None
-    if isinstance(data, datasets.DatasetDict):
-        raise InputError(f"{flag} {path}: is a DatasetDict with splits {list(data)}; pass one split "
-                         f"directory, e.g. {path / next(iter(data))}")
-    for i, row in enumerate(data):
-        yield i, row, None, None
+def _rows(path: Path, max_record_bytes: int, flag: str) -> Iterator[Any]:
+    """The rows of a `datasets` directory, a Parquet file or a JSON array, in order (a JSON array element
+    too deep or too large to build comes as its RejectRecord)."""
+    if path.is_dir():
+        import datasets
+        try:
+            data = datasets.load_from_disk(str(path))
+        except Exception as exc:  # noqa: BLE001 - datasets raises several types here
+            raise InputError(f"{flag} {path}: not a `datasets` directory made by save_to_disk ({exc})") from None
+        if isinstance(data, datasets.DatasetDict):
+            raise InputError(f"{flag} {path}: is a DatasetDict with splits {list(data)}; pass one split "
+                             f"directory, e.g. {path / next(iter(data))}")
+        yield from data
+    elif path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    else:
+        try:
+            # elements a little over the limit are still built, and rejected as too_large by the caller
+            yield from json_array_items(path, max_element_bytes=4 * max_record_bytes)
+        except JsonArrayError as exc:
+            raise InputError(f"{flag} {path}: not valid JSON ({exc}); fix the file or convert it to JSONL, where "
+                             "a bad line is rejected on its own") from None
 
 
 def _starts_array(path: Path) -> bool:

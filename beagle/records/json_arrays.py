@@ -15,7 +15,6 @@ An element whose bytes pass `max_element_bytes` is not built further either (a `
 """
 from __future__ import annotations
 
-import io
 import logging
 import re
 from dataclasses import dataclass
@@ -89,20 +88,12 @@ class _NeedsPythonBackend(Exception):
     """yajl refused something JSON allows (an integer beyond 64 bits)."""
 
 
-class _CountingReader(io.RawIOBase):
-    """A binary file that counts the bytes handed to the parser (how large the element being built is)."""
+class _CountingReader:
+    """A binary file that counts the bytes handed to the parser (how large the element being built is);
+    both ijson backends only call `read`."""
 
     def __init__(self, handle: BinaryIO) -> None:
         self.handle, self.consumed = handle, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        data = self.handle.read(len(buffer))
-        buffer[:len(data)] = data
-        self.consumed += len(data)
-        return len(data)
 
     def read(self, size: int = -1) -> bytes:
         data = self.handle.read(size)

@@ -12,6 +12,7 @@ from typing import Any
 
 from beagle.records import (DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, TEXT_ROLE, RejectReason, RejectRecord,
                             parse_record)
+from beagle.records.messages import PROMPT_SHAPES
 from pipeline.jobkit.record_stream import InputScan, RecordStream, scan_records, stream_records
 
 
@@ -52,7 +53,7 @@ def normalize_record(obj: Any, *, source: str, index: int, default_id: str) -> R
     """Turn one raw record into a `Record` or raise `RejectRecord`."""
     parsed = parse_record(obj)
     sample_id = parsed.record_id or default_id
-    if parsed.shape in ("turns", "prompt"):
+    if parsed.shape in PROMPT_SHAPES:
         raise RejectRecord(RejectReason.MISSING_FIELD, f"a prompt-only record (`{parsed.shape}`) has no answers "
                            "to learn from; answer it with `beagle-pipeline regenerate` first")
     if parsed.messages[0]["role"] == TEXT_ROLE:

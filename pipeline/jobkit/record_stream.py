@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from beagle.records import (DEFAULT_MAX_RECORD_BYTES, RejectReason, RejectRecord, check_data_path, iter_raw_records,
-                            record_turns, text_bytes)
+                            record_turns)
+from pipeline.jobkit.rejects import count_reasons
 from pipeline.store.hashing import update_from_file
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def scan_records(paths: list[str], normalize: Callable[..., Any], *, is_conversa
         if first is None and is_conversation(record):
             first = {"source": record.source, "index": record.index}
     return InputScan(stream.sources, stream.records, first is not None, stream.identities, first,
-                     dict(sorted(Counter(r["reason"] for r in stream.rejects).items())))
+                     count_reasons(stream.rejects))
 
 
 def stream_records(paths: list[str], normalize: Callable[..., Any], scan: InputScan, *, limit: int | None = None,
@@ -173,9 +173,6 @@ class RecordStream:
         try:
             if unreadable is not None:
                 raise unreadable
-            if line is None and text_bytes(obj) > self.max_record_bytes:  # rows of .json / Parquet / datasets
-                raise RejectRecord(RejectReason.TOO_LARGE, f"{text_bytes(obj):,} bytes of text, more than "
-                                   f"--max-record-bytes {self.max_record_bytes:,}")
             turns = record_turns(obj)
             if self.max_turns is not None and turns > self.max_turns:
                 raise RejectRecord(RejectReason.TOO_MANY_TURNS,
