@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save
 from torch import Tensor, nn
 
+from beagle.layer_capture import eagle3_aux_layers
 from beagle.export import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
 from pipeline.store import atomic
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("eagle3", "eagle3-sglang", "eagle", "native")
 LAYOUTS = ("speculators", "sglang")
+SGLANG_AUX_LAYERS = 3  # SGLang's LlamaForCausalLMEagle3 fc: Linear(3 * hidden, hidden); vLLM >= 0.32 reads num_aux_hidden_states
 PROVENANCE_NAME = "beagle_export.json"   # what was exported from what; engines ignore it
 SPECULATORS_VERSION = "0.9.0"            # the speculators release whose Eagle3SpeculatorConfig this layout follows
 DEFAULT_MAX_POSITIONS = 4096             # when the target's config has none (vLLM raises it to max_model_len)
@@ -263,6 +265,12 @@ def check_eagle3(model: nn.Module, target: EngineTarget, layout: str) -> None:
     if max(layers) >= target.num_hidden_layers:
         raise ValueError(f"the drafter reads target layers {layers} but the target has {target.num_hidden_layers} "
                          "decoder layers; pass the target it was trained on")
+    if layout == "sglang" and len(layers) != SGLANG_AUX_LAYERS:
+        recipe = ",".join(map(str, eagle3_aux_layers(target.num_hidden_layers)))
+        raise ValueError(f"SGLang's EAGLE-3 drafter (llama_eagle3.py) builds its fc for exactly {SGLANG_AUX_LAYERS} "
+                         f"aux layers and this drafter keys on {len(layers)} ({layers}); extract with --layers "
+                         f"{recipe},-1 (the default) and train with --residual state, or serve it in vLLM "
+                         "with --format eagle3")
     if layout == "sglang" and 0 in layers:
         raise ValueError(f"key layer 0 (the embeddings) of {layers} has no SGLang aux id (SGLang id k is the "
                          "output of decoder layer k); use --format eagle3 (vLLM id 0 is the embeddings)")

@@ -35,6 +35,23 @@ def decoder_layers(base: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLis
     return lists[0] if len(lists) == 1 else None
 
 
+def eagle3_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's three aux layers, low, middle and high: (2, n // 2, n - 3), the layers vLLM's and SGLang's
+    EAGLE-3 drafters read by default and speculators' and SpecForge's data generation capture. Both engines
+    number them as HF `hidden_states` indices (the residual stream entering decoder layer i), as we do.
+    Below 7 layers that recipe repeats a layer; there (1, n // 2, n - 1) keeps three distinct ones while
+    n >= 4, and shallower test models get what is left, clamped to 0..n-1 and deduplicated."""
+    recipe = (2, num_layers // 2, num_layers - 3) if num_layers >= 7 else (1, num_layers // 2, num_layers - 1)
+    return sorted({min(max(layer, 0), num_layers - 1) for layer in recipe})
+
+
+def default_capture_layers(num_layers: int) -> list[int]:
+    """What `extract` stores when `--layers` is not given: EAGLE-3's aux layers, which key the engine form
+    (`train --residual state`) and every EAGLE-3 export, plus -1, the state the LM head reads, which the
+    paper form keys on and every form's loss targets. One store then trains every form we ship."""
+    return [*eagle3_aux_layers(num_layers), -1]
+
+
 def normalize_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     """Check `--layers` against the model and make them canonical: -1, or 0..n-1 (n is the same as -1)."""
     canonical = []

@@ -181,7 +181,7 @@ def test_eagle3_export_writes_the_speculators_names_shapes_and_config(target, tm
 
 
 def test_sglang_layout_is_the_same_weights_under_midlayer_with_sglang_layer_ids(target, tmp_path):
-    model = _state_drafter(target, key_layers=(1, 3))
+    model = _state_drafter(target, key_layers=(1, 2, 3))
     speculators = load_file(export_eagle3(model, target, tmp_path / "a") / "model.safetensors")
     out = export_eagle3(model, target, tmp_path / "b", layout="sglang")
     sglang = load_file(out / "model.safetensors")
@@ -192,14 +192,25 @@ def test_sglang_layout_is_the_same_weights_under_midlayer_with_sglang_layer_ids(
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == 128 and config["norm_before_residual"] is False
     # SGLang's id k is captured at the input of decoder layer k + 1, i.e. HF hidden_states[k + 1]
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 2], "use_aux_hidden_state": True}
-    assert config["num_aux_hidden_states"] == 2 and sglang["fc.weight"].shape == (64, 2 * 64)   # vLLM sizes fc so
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}
+    assert config["num_aux_hidden_states"] == 3 and sglang["fc.weight"].shape == (64, 3 * 64)   # SGLang's fc
     layer = json.loads((tmp_path / "a" / "config.json").read_text())["transformer_layer_config"]
-    assert layer["num_aux_hidden_states"] == 2    # the top-level ids of a speculators config do not size vLLM's fc
+    assert layer["num_aux_hidden_states"] == 3    # the top-level ids of a speculators config do not size vLLM's fc
     assert "d2t" not in sglang and sglang["lm_head.weight"].shape == (128, 64)   # full vocabulary: no maps
     with pytest.raises(ValueError, match="no SGLang aux id"):
         export_eagle3(_state_drafter(target), target, tmp_path / "c", layout="sglang")   # key layer 0
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("key_layers", [(3,), (1, 3), (0, 1, 2, 3)])
+def test_sglang_layout_refuses_a_drafter_without_three_aux_layers(target, tmp_path, key_layers):
+    """SGLang's LlamaForCausalLMEagle3 builds fc as Linear(3 * hidden, hidden): any other count would write a
+    checkpoint it cannot load. vLLM sizes fc by num_aux_hidden_states, so the speculators layout takes it."""
+    model = _state_drafter(target, key_layers=key_layers)
+    with pytest.raises(ValueError, match=r"exactly 3 aux layers.*--layers 1,2,3,-1 .the default.*--format eagle3"):
+        export_eagle3(model, target, tmp_path / "s", layout="sglang")
+    assert not (tmp_path / "s").exists()
+    assert (export_eagle3(model, target, tmp_path / "v") / "model.safetensors").exists()
 
 
 def test_eagle3_export_refuses_what_it_cannot_write_exactly(target, tmp_path):

@@ -147,3 +147,14 @@ def test_the_default_batch_follows_the_device_kind_and_an_explicit_one_wins():
     assert default_batch_tokens(config, "CPU") == DEFAULT_BATCH_TOKENS["CPU"] < DEFAULT_BATCH_TOKENS["GPU"]
     assert default_batch_tokens(config, "GPU") == DEFAULT_BATCH_TOKENS["GPU"]
     assert default_batch_tokens(ExtractConfig(model_path="m", data=("d.jsonl",), out="o", batch_tokens=512), "GPU") == 512
+
+
+def test_the_default_capture_is_eagle3_s_aux_layers_and_the_head_s_state():
+    """vLLM's and SGLang's EAGLE-3 default aux layers (2, n // 2, n - 3) for real depths, three distinct
+    layers for shallow ones, and -1 last: what `extract` stores without --layers."""
+    from beagle.layer_capture import default_capture_layers, eagle3_aux_layers
+    assert eagle3_aux_layers(30) == [2, 15, 27] and eagle3_aux_layers(80) == [2, 40, 77]
+    assert eagle3_aux_layers(4) == [1, 2, 3] and eagle3_aux_layers(6) == [1, 3, 5]
+    assert default_capture_layers(32) == [2, 16, 29, -1] and default_capture_layers(2) == [1, -1]
+    for n in range(1, 40):
+        assert normalize_layers(default_capture_layers(n), n) == default_capture_layers(n)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from beagle.layer_capture import default_capture_layers
 from pipeline.extract.chat import tokenize_record
 from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.inputs import Record
@@ -79,6 +80,7 @@ def test_two_workers_store_what_a_direct_forward_computes(ray_address, workspace
     out = workspace["root"] / "store"
     summary = run_extract(_config(workspace, out))
     assert summary.samples == 11 and summary.shards == 4 and summary.actors == 2
+    assert open_store(str(out)).layers == default_capture_layers(2) == [1, -1]  # no --layers: every form's
     assert summary.rejected_by_reason == dict(Counter(BAD_REASONS))
     assert verify_store(str(out)).ok
     store = open_store(str(out))
@@ -102,8 +104,26 @@ def test_two_workers_store_what_a_direct_forward_computes(ray_address, workspace
             assert sample["input_ids"].tolist() == expected.input_ids.tolist()
             assert sample["loss_mask"].tolist() == expected.loss_mask.tolist()
             direct = model(torch.as_tensor(expected.input_ids, dtype=torch.long)[None], output_hidden_states=True)
-            torch.testing.assert_close(sample["hidden_states"][0], direct.hidden_states[-1][0], atol=1e-5, rtol=1e-5)
+            for position, layer in enumerate(store.layers):  # HF hidden_states indices, -1 after the final norm
+                torch.testing.assert_close(sample["hidden_states"][position], direct.hidden_states[layer][0],
+                                           atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(store.load_head()["embed_tokens"], model.get_input_embeddings().weight)
+
+
+def test_a_default_store_trains_every_form_we_ship(ray_address, workspace, tmp_path):
+    """`extract` with no --layers keeps what the paper form (-1), the engine form (`--residual state`) and
+    EAGLE-3's three-layer recipe need: each trains on it without a second pass of the target (issue 36)."""
+    from beagle.train_config import TrainConfig
+    from beagle.trainer import train
+    store = workspace["root"] / "store"
+    if not (store / "manifest.json").exists():
+        run_extract(_config(workspace, store))
+    fast = dict(batch_tokens=128, lr=3e-3, warmup_steps=1, window_size=2, simulation_steps=2, checkpoint_every=100,
+                vocab_chunk=128, stage1_epochs=1, stage2_epochs=1, max_steps=2, bf16=False)
+    for name, settings, keys in [("paper", {}, [-1]), ("engine", {"residual": "state"}, [1])]:
+        run = tmp_path / name
+        train([str(store)], run, TrainConfig(**fast, **settings))
+        assert json.loads((run / "drafter" / "config.json").read_text())["key_layers"] == keys, name
 
 
 def test_an_int8_zstd_store_holds_the_float32_store_s_states_rounded(ray_address, workspace):

@@ -63,7 +63,7 @@ def _job_options_match_their_fields(command: click.Command, configs: tuple[type,
             if option is None or field.name in described or field.default is dataclasses.MISSING or option.is_flag:
                 continue  # a flag is off unless given
             default = option.default
-            if field.name == "layers":  # a comma-separated string parsed by a callback
+            if field.name == "layers" and default is not None:  # a comma-separated string parsed by a callback
                 default = tuple(int(v) for v in str(default).split(","))
             assert default == field_default(config, field.name), f"{command.name} --{field.name}"
             if field.default is not None and not isinstance(field.default, bool):  # None: decided at run time

@@ -12,7 +12,9 @@ from pipeline.jobkit.ray_session import quiet_ray_loggers
 from pipeline.store.format import COMPRESSIONS
 
 
-def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None  # the default capture, resolved for the target's depth at prepare time
     try:
         return tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
@@ -25,13 +27,13 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--data", multiple=True, required=True, type=click.Path(),
               help="Input: .jsonl, .json (array), .parquet or a datasets save_to_disk directory. Repeatable.")
 @click.option("--out", required=True, help="Store to write: a local path or an fsspec URL.")
-@click.option("--layers", default=",".join(map(str, field_default(ExtractConfig, "layers"))), callback=_layers,
-              show_default=True,
+@click.option("--layers", default=None, callback=_layers,
               help="Hidden-state layers to store (HF hidden_states index i = the residual stream entering decoder "
                    "layer i, 0 = embeddings; -1 = after the final norm, what the LM head reads; -2 = the last "
-                   "layer's input). -1 trains the paper's Beagle form; the engine form (train --residual state, "
-                   "export --format eagle3) also needs a layer it keys on: -2,-1 serves both. Each layer costs "
-                   "d x 2 bytes per token in bf16. Comma-separated.")
+                   "layer's input). Default: EAGLE-3's aux layers 2, n//2, n-3 of an n-layer target, plus -1: "
+                   "one store trains every form (the paper's Beagle keys on -1; train --residual state and every "
+                   "EAGLE-3 export, SGLang's included, key on the three aux layers). Each layer costs d x 2 bytes "
+                   "per token in bf16 (docs/extract.md). Comma-separated.")
 @default_option(ExtractConfig, "max_length", "--max-length", type=click.IntRange(min=1),
                 help="Truncate samples at this many tokens.")
 @default_option(ExtractConfig, "dtype", "--dtype", type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
