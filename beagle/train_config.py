@@ -14,6 +14,7 @@ from typing import Any
 from beagle.errors import SettingsError
 
 
+LR_SCHEDULES = ("constant", "cosine", "linear")  # `train --lr-schedule`: what follows the linear warm-up
 DRAFTERS = ("beagle", "eagle2")  # `train --drafter`: each resolves to a form of beagle.registry by form_for (with residual="state" beagle is beagle-state); said here, not there, so that `train --help` loads no model code
 RESIDUALS = ("embedding", "state")
 
@@ -44,6 +45,7 @@ class TrainConfig:
     max_length: int | None = None         # truncate samples; default batch_tokens
     lr: float = 3e-5
     warmup_steps: int = 2000
+    lr_schedule: str = "constant"         # after warm-up: constant, or cosine / linear decay to 0 at the last step
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
@@ -85,6 +87,7 @@ class TrainConfig:
             (self.max_length is None or self.max_length >= 2, "max_length must be >= 2"),
             (self.lr > 0, "lr must be > 0"),
             (self.warmup_steps >= 0, "warmup_steps must be >= 0"),
+            (self.lr_schedule in LR_SCHEDULES, f"lr_schedule={self.lr_schedule!r} must be one of {list(LR_SCHEDULES)}"),
             (self.noise_std >= 0, "noise_std must be >= 0"),
             (self.regression_weight >= 0, "regression_weight must be >= 0"),
             (self.grad_clip > 0, "grad_clip must be > 0"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, replace
@@ -323,7 +324,7 @@ def _optimizer_step(run: _Run, run_loss: Callable[..., LossSums], loss_fn: Calla
     t0 = time.perf_counter()
     batches = [b.to(run.device) for b in (batch if isinstance(batch, list) else [batch])]
     offset = window_offset(config.seed, run.step, config.window_size)
-    lr = _learning_rate(config, run.step)
+    lr = _learning_rate(config, run.step, run.total_steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
@@ -382,9 +383,17 @@ def window_offset(seed: int, step: int, window_size: int) -> int:
     return random.Random(seed * 1_000_003 + step).randrange(window_size)
 
 
-def _learning_rate(config: TrainConfig, step: int) -> float:
-    """Linear warm-up to `config.lr`, then constant."""
-    return config.lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else config.lr
+def _learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
+    """Linear warm-up to `config.lr`, then constant, or decayed (cosine or linear) to 0 at `total_steps`: a run
+    whose length is known ends on small steps instead of the peak rate (docs/training.md, the levers)."""
+    if config.warmup_steps and step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    progress = min(1.0, (step - config.warmup_steps + 1) / max(1, total_steps - config.warmup_steps))
+    if config.lr_schedule == "linear":
+        return config.lr * (1.0 - progress)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _log_step(run: _Run, metrics: dict[str, Any], metrics_file: Any,

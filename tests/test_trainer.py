@@ -196,3 +196,28 @@ def test_batches_for_a_gpu_keep_the_stores_bf16_and_are_cast_on_the_device(tmp_p
     reference = collate(on_cpu._samples(rows))
     assert reference.hidden.dtype == torch.float32 and moved.hidden.dtype == torch.float32
     assert torch.equal(moved.hidden, reference.hidden) and torch.equal(moved.input_ids, reference.input_ids)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_the_learning_rate_warms_up_then_follows_its_schedule_to_the_last_step(schedule, store, tmp_path):
+    """Warm-up is linear for every schedule; cosine and linear decay reach 0 at the run's last step, and the
+    rate a run logs is the schedule's (metrics.jsonl), not just what the function returns."""
+    from beagle.trainer import _learning_rate
+    config = TrainConfig(lr=1e-3, warmup_steps=4, lr_schedule=schedule)
+    rates = [_learning_rate(config, step, 20) for step in range(20)]
+    assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    if schedule == "constant":
+        assert rates[4:] == pytest.approx([1e-3] * 16)
+    else:
+        assert all(a > b for a, b in zip(rates[3:], rates[4:])) and rates[-1] == pytest.approx(0.0, abs=1e-12)
+    if schedule == "cosine":
+        assert rates[11] == pytest.approx(5e-4, rel=0.1)   # half way through the decay
+    with pytest.raises(Exception, match="lr_schedule"):
+        TrainConfig(lr_schedule="step")
+    run = tmp_path / schedule
+    train([store], run, TrainConfig(stage1_epochs=1, stage2_epochs=1, max_steps=6, batch_tokens=256, lr=1e-3,
+                                    warmup_steps=2, lr_schedule=schedule, bf16=False, vocab_chunk=128))
+    logged = [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line).get("split", "train") == "train"]
+    assert logged == pytest.approx([_learning_rate(TrainConfig(lr=1e-3, warmup_steps=2, lr_schedule=schedule), s, 6)
+                                    for s in range(6)])

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from beagle.errors import SettingsError
-from beagle.train_config import DRAFTERS, RESIDUALS, TrainConfig, load_config_file
+from beagle.train_config import DRAFTERS, LR_SCHEDULES, RESIDUALS, TrainConfig, load_config_file
 from pipeline.commands.errors import reports_errors
 from pipeline.commands.options import override_option
 
@@ -72,6 +72,8 @@ def _config_option(name: str, *decls: str, help: str, **kwargs: Any):
                      "the paper's 16 x 2048 on one GPU: --batch-tokens 32768 --max-length 2048 --grad-accum 4).")
 @_config_option("lr", "--lr", type=float, help="Peak learning rate.")
 @_config_option("warmup_steps", "--warmup-steps", type=int, help="Linear warm-up steps.")
+@_config_option("lr_schedule", "--lr-schedule", type=click.Choice(list(LR_SCHEDULES)),
+                help="After the warm-up: keep the peak rate, or decay it (cosine, linear) to 0 at the last step.")
 @_config_option("noise_std", "--noise-std", type=float, help="Key noise std as a fraction of the states' RMS.")
 @_config_option("regression_weight", "--regression-weight", type=float,
                 help="Weight of the SmoothL1 regression of the drafted states next to the token loss (the "

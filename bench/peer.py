@@ -1,0 +1,298 @@
+"""P15: our drafter beside the one a user would train with speculators, on the same features, served in vLLM.
+
+    python bench/peer.py --quick                    # <= 15 minutes on 2 cores; last line `P15 <ratio at k=3>`
+    python bench/peer.py                            # the full run of docs/benchmarks.md (k = 1, 2, 3)
+    python bench/peer.py --prompts FILE             # serve other held-out prompts (MT-Bench's by default)
+
+One target (the demo's), one self-distilled store, one token budget and one number of optimizer steps:
+
+1. data: `beagle-pipeline regenerate` lets the target answer ShareGPT prompts, `beagle-pipeline extract` with
+   its default layers (EAGLE-3's three aux layers and -1) stores the states once, for both trainers;
+2. ours: `beagle-pipeline train --residual state` (the engine-form Beagle, the demo's recipe), then
+   `beagle-pipeline export --format eagle3`;
+3. theirs: `beagle-pipeline export-features --format speculators` writes the store as speculators' samples,
+   and speculators' own trainer (`python -m speculators.train`, its documented defaults: Muon, lr 1e-3, a
+   linear schedule, 3 TTT steps, KL loss) trains its EAGLE-3 drafter from them with the same
+   `--max-steps` and the same tokens per step (`--total-seq-len` = our `--batch-tokens`). Its trainer
+   puts every batch on CUDA device 0; bench/speculators_cpu.py runs the same CLI with that device set to the
+   CPU (the one change, said in the results);
+4. both drafters are served by vLLM (CPU build, `make serve-venv`) on the held-out prompts, greedy, fp32, at
+   each `num_speculative_tokens`, beside a plain run on the same prompts.
+
+P15 = our vLLM acceptance length / speculators' at each k; also each one's speedup over plain vLLM, whether
+its answers equal plain decoding, the training wall-time ratio (ours / theirs) and the peak-memory ratio
+(resident set of the training process tree, sampled). Every command is written into the results (JSON, with
+`--out`), rewritten after each step, so an interrupted run keeps what it measured; a rerun reuses the data
+steps (regenerate and extract resume) and retrains. A benchmark measures: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import DEMO_MODEL, DEMO_QUESTIONS, DEMO_SHAREGPT, ROOT, machine, require_demo  # noqa: E402
+from bench.serve import VLLM_PYTHON, compare, run_vllm  # noqa: E402
+
+SPECULATORS_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
+SPECULATORS_CPU = Path(__file__).resolve().parent / "speculators_cpu.py"
+
+
+@dataclass(frozen=True)
+class PeerSize:
+    """How much of each step the run does; the two trainers always get the same `steps` x `batch_tokens`."""
+
+    name: str
+    prompts: int              # ShareGPT first prompts the target answers (the training data)
+    max_new_tokens_answer: int
+    max_length: int           # tokens per conversation, both trainers
+    steps: int                # optimizer steps, both trainers
+    batch_tokens: int         # tokens per optimizer step, both trainers
+    serve_prompts: int        # held-out prompts served in vLLM
+    max_new_tokens: int       # per served answer
+    ks: tuple[int, ...]       # num_speculative_tokens served
+    draft_vocab: int = 8192   # both drafters draft over the 8,192 most frequent tokens
+
+
+SIZES = {
+    "quick": PeerSize("quick", prompts=120, max_new_tokens_answer=128, max_length=512, steps=60, batch_tokens=4096,
+                      serve_prompts=8, max_new_tokens=48, ks=(3,)),
+    "full": PeerSize("full", prompts=800, max_new_tokens_answer=192, max_length=1024, steps=300, batch_tokens=4096,
+                     serve_prompts=40, max_new_tokens=64, ks=(1, 2, 3)),
+}
+
+
+def beagle_pipeline() -> list[str]:
+    """`beagle-pipeline` with this interpreter: the console script next to it, or `-c`."""
+    script = Path(sys.executable).with_name("beagle-pipeline")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "from pipeline.cli import main; main(prog_name='beagle-pipeline')"]
+
+
+def _tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def measured_run(cmd: list[str], log_path: Path, *, env: dict | None = None, interval: float = 0.25) -> dict:
+    """Run `cmd` to completion with its output in `log_path`: wall seconds, exit code and the peak resident
+    set of its whole process tree (dataloader workers included), sampled every `interval` seconds."""
+    peak = [0]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        def sample() -> None:
+            while process.poll() is None:
+                peak[0] = max(peak[0], _tree_rss(process.pid))
+                time.sleep(interval)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        rc = process.wait()
+        sampler.join()
+    seconds = time.perf_counter() - started
+    result = {"command": shlex.join(cmd), "seconds": seconds, "returncode": rc, "peak_rss_mib": peak[0] / 2**20,
+              "log": str(log_path)}
+    if rc != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+        raise RuntimeError(f"{shlex.join(cmd)} failed with exit code {rc} (log {log_path}):\n{tail}")
+    return result
+
+
+def cli_env() -> dict:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def speculators_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"})
+    return env
+
+
+def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path) -> list[tuple[str, list[str]]]:
+    cli = beagle_pipeline()
+    return [
+        ("regenerate", [*cli, "regenerate", "--model", str(target), "--data", str(sharegpt),
+                        "--out", str(out / "answers.jsonl"), "--limit", str(size.prompts), "--max-turns", "1",
+                        "--max-new-tokens", str(size.max_new_tokens_answer), "--max-prompt-length", "256",
+                        "--dtype", "bfloat16", "--no-progress"]),
+        ("extract", [*cli, "extract", "--model", str(target), "--data", str(out / "answers.jsonl"),
+                     "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", "bfloat16",
+                     "--no-progress"]),
+        ("export-features", [*cli, "export-features", str(out / "store"), "--format", "speculators",
+                             "--out", str(out / "speculators-data"), "--force", "--no-progress"]),
+    ]
+
+
+def stage_epochs(store: Path, size: PeerSize) -> tuple[int, int]:
+    """Stage-1 and stage-2 epochs whose batches cover `size.steps` at the demo's 2:1 split (8 and 4 epochs
+    there), so that `--max-steps` ends our run inside stage 2 rather than before it."""
+    from beagle.data import plan_epoch
+    from beagle.store_tensors import open_store
+
+    lengths = open_store(str(store)).lengths
+    per_epoch = len(plan_epoch(lengths, batch_tokens=size.batch_tokens, limit=size.max_length, seed=0, epoch=0))
+    stage1 = max(1, round(2 * size.steps / 3 / per_epoch))
+    return stage1, max(1, -(-(size.steps - stage1 * per_epoch) // per_epoch))
+
+
+def ours_commands(size: PeerSize, out: Path, target: Path) -> list[tuple[str, list[str]]]:
+    cli = beagle_pipeline()
+    stage1, stage2 = stage_epochs(out / "store", size)
+    return [
+        ("ours-train", [*cli, "train", "--store", str(out / "store"), "--out", str(out / "ours"),
+                        "--residual", "state", "--max-steps", str(size.steps), "--stage1-epochs", str(stage1),
+                        "--stage2-epochs", str(stage2), "--batch-tokens", str(size.batch_tokens),
+                        "--max-length", str(size.max_length), "--draft-vocab", str(size.draft_vocab),
+                        "--lr", "1e-3", "--warmup-steps", "20", "--no-progress"]),
+        ("ours-export", [*cli, "export", str(out / "ours"), "--format", "eagle3", "--target", str(target),
+                         "--out", str(out / "ours-eagle3"), "--force"]),
+    ]
+
+
+def theirs_command(size: PeerSize, out: Path, target: Path) -> tuple[str, list[str]]:
+    return ("theirs-train", [str(SPECULATORS_PYTHON), str(SPECULATORS_CPU),
+                             "--verifier-name-or-path", str(target),
+                             "--data-path", str(out / "speculators-data"),
+                             "--save-path", str(out / "theirs"),
+                             "--max-steps", str(size.steps), "--total-seq-len", str(size.batch_tokens),
+                             "--draft-vocab-size", str(size.draft_vocab),
+                             "--num-workers", "0", "--no-resume-from-checkpoint"])
+
+
+def theirs_checkpoint(out: Path) -> Path:
+    """The last checkpoint speculators saved (a folder vLLM loads: config.json + model.safetensors)."""
+    folders = sorted((p for p in (out / "theirs").rglob("config.json")), key=lambda p: p.stat().st_mtime)
+    if not folders:
+        raise RuntimeError(f"speculators wrote no checkpoint under {out / 'theirs'}")
+    return folders[-1].parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="the <= 15-minute size: k = 3 only, fewer prompts and steps")
+    p.add_argument("--prompts", default=str(DEMO_QUESTIONS),
+                   help="held-out prompts to serve (MT-Bench `turns`, `messages` or `prompt` JSONL)")
+    p.add_argument("--target", default=str(DEMO_MODEL))
+    p.add_argument("--sharegpt", default=str(DEMO_SHAREGPT), help="training prompts the target answers")
+    p.add_argument("--out", default=None, help="run folder (default runs/peer[-quick])")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of both trainers (default: the size's)")
+    p.add_argument("--serve-prompts", type=int, default=None)
+    p.add_argument("--ks", default=None, help="num_speculative_tokens to serve, e.g. 1,2,3")
+    p.add_argument("--dtype", default="float32", help="vLLM dtype (float32: answers must equal plain decoding)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    require_demo()
+    for python, make in ((SPECULATORS_PYTHON, "make speculators-venv"), (VLLM_PYTHON, "make serve-venv")):
+        if not python.is_file():
+            raise SystemExit(f"{python} not found: run `{make}`")
+    size = SIZES["quick" if args.quick else "full"]
+    overrides = {"steps": args.steps, "serve_prompts": args.serve_prompts,
+                 "ks": tuple(int(k) for k in args.ks.split(",")) if args.ks else None}
+    size = PeerSize(**{**asdict(size), **{k: v for k, v in overrides.items() if v is not None}})
+    out = Path(args.out or ROOT / "runs" / f"peer{'-quick' if args.quick else ''}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    target, results_path = Path(args.target).resolve(), out / "peer.json"
+    report: dict = {"size": asdict(size), "machine": machine(), "target": str(target), "prompts": args.prompts,
+                    "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "steps": {}, "serve": {}}
+
+    def save() -> None:
+        results_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+    def step(name: str, cmd: list[str], env: dict) -> dict:
+        print(f"[{name}] {shlex.join(cmd)}", flush=True)
+        report["steps"][name] = result = measured_run(cmd, out / "logs" / f"{name}.log", env=env)
+        print(f"  {result['seconds']:.0f}s, peak {result['peak_rss_mib']:.0f} MiB", flush=True)
+        save()
+        return result
+
+    for name, cmd in data_commands(size, out, target, Path(args.sharegpt)):
+        step(name, cmd, cli_env())
+    for previous in (out / "ours", out / "theirs"):  # this script's own earlier training runs: retrained
+        if previous.is_dir():
+            shutil.rmtree(previous)
+    for name, cmd in ours_commands(size, out, target):
+        step(name, cmd, cli_env())
+    step(*theirs_command(size, out, target), speculators_env())
+    drafters = {"ours": out / "ours-eagle3", "theirs": theirs_checkpoint(out)}
+    report["drafters"] = {k: str(v) for k, v in drafters.items()}
+
+    runs = out / "serve"
+    runs.mkdir(exist_ok=True)
+    served = {"prompts": args.prompts, "limit": size.serve_prompts, "dtype": args.dtype,
+              "max_new_tokens": size.max_new_tokens, "target": target}
+
+    def serve(name: str, **kwargs) -> dict:
+        print(f"[vllm {name}]", flush=True)
+        result = run_vllm(VLLM_PYTHON, runs / f"{name}.json", runs / f"{name}.log", **served, **kwargs)
+        if "error" in result:
+            raise RuntimeError(f"vLLM {name} failed ({result['error']}), log {result['log']}:\n{result['log_tail']}")
+        report["serve"][name] = {k: v for k, v in result.items() if k != "answers"}
+        save()
+        return result
+
+    plain = serve("plain")
+    rows = {}
+    for k in size.ks:
+        row = {}
+        for who, drafter in drafters.items():
+            spec = serve(f"{who}-k{k}", drafter=drafter, method="eagle3", k=k)
+            row[who] = {"acceptance_length": spec.get("acceptance_length"),
+                        "per_position_acceptance": spec.get("per_position_acceptance"),
+                        "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
+                        **compare(plain, spec)}
+        row["P15"] = row["ours"]["acceptance_length"] / row["theirs"]["acceptance_length"]
+        rows[k] = row
+        report["by_k"] = rows
+        save()
+    ours_train, theirs_train = report["steps"]["ours-train"], report["steps"]["theirs-train"]
+    report["train_wall_ratio"] = ours_train["seconds"] / theirs_train["seconds"]
+    report["train_peak_memory_ratio"] = ours_train["peak_rss_mib"] / theirs_train["peak_rss_mib"]
+    save()
+
+    print(f"\npeer run {size.name}: {size.steps} steps x {size.batch_tokens} tokens each, "
+          f"{size.serve_prompts} prompts x {size.max_new_tokens} tokens served in vLLM ({args.dtype}, greedy)")
+    print(f"training  ours {ours_train['seconds']:.0f}s / {ours_train['peak_rss_mib']:.0f} MiB, "
+          f"speculators {theirs_train['seconds']:.0f}s / {theirs_train['peak_rss_mib']:.0f} MiB: "
+          f"wall {report['train_wall_ratio']:.2f}x, memory {report['train_peak_memory_ratio']:.2f}x")
+    print(f"{'k':>2}  {'ours τ':>7} {'speedup':>7} {'same':>6}   {'spec. τ':>7} {'speedup':>7} {'same':>6}   P15")
+    for k, row in rows.items():
+        o, t = row["ours"], row["theirs"]
+        print(f"{k:>2}  {o['acceptance_length']:7.3f} {o['speedup']:6.2f}x {o['identical']:>3}/{o['total']:<2}  "
+              f"{t['acceptance_length']:7.3f} {t['speedup']:6.2f}x {t['identical']:>3}/{t['total']:<2}  {row['P15']:.3f}")
+    print(f"figures and commands written to {results_path}")
+    last_k = 3 if 3 in rows else max(rows)
+    print(f"P15 {rows[last_k]['P15']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
