@@ -221,3 +221,52 @@ def load_tokenizer(model_path: str | Path, *, trust_remote_code: bool = False) -
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"--model {model_path}: cannot load its tokenizer ({first})") from None
     return tokenizer
+
+
+def final_norm_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """(its name, the module) of the norm the base model applies to its last layer's output: the last
+    direct child of the base model whose class is a norm (`model.norm`, GPT-2's `transformer.ln_f`, Phi's
+    `model.final_layernorm`), or None when there is no such child."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    base, base_name = (base, f"{prefix}.") if isinstance(base, torch.nn.Module) else (model, "")
+    norms = [(f"{base_name}{name}", child) for name, child in base.named_children()
+             if "norm" in type(child).__name__.lower() or "ln_f" == name]
+    return norms[-1] if norms else None
+
+
+def read_final_norm(model_path: str | Path, trust_remote_code: bool = False) -> torch.nn.Module:
+    """The target's final norm (float32, on the CPU), its weights read by name from the safetensors files when
+    they hold it (two small tensors, not the whole target), else from the model loaded once.
+
+    An EAGLE-3 trainer that takes the verifier's last state *before* that norm (speculators) needs it to
+    turn our stored state (after the norm) back into one the norm maps to the same values."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    found = final_norm_module(skeleton)
+    if found is None:
+        raise ValueError(f"--model {model_path}: no final norm found under its base model "
+                         f"({type(skeleton).__name__}); this export needs the norm the LM head reads through")
+    name, norm = found
+    wanted = {f"{name}.{parameter}": parameter for parameter, _ in norm.named_parameters()}
+    to_model_name = _checkpoint_key_mapper(skeleton)
+    values: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                parameter = wanted.get(to_model_name(key) or "")
+                if parameter is not None:
+                    values[parameter] = handle.get_tensor(key).float()
+    if len(values) == len(wanted) and not list(norm.buffers()):
+        norm = norm.to_empty(device="cpu").float()
+        norm.load_state_dict(values)
+        return norm.eval()
+    model = load_causal_lm(model_path, dtype="float32", device=torch.device("cpu"),
+                           trust_remote_code=trust_remote_code)
+    loaded = final_norm_module(model)
+    assert loaded is not None  # the same class as the skeleton's
+    return loaded[1].eval()

@@ -23,6 +23,7 @@ _COMMANDS: dict[str, str] = {
     "train": "pipeline.commands.train:train",
     "eval": "pipeline.commands.eval:evaluate",
     "export": "pipeline.commands.export:export",
+    "export-features": "pipeline.commands.export_features:export_features",
 }
 
 

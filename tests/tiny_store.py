@@ -51,10 +51,12 @@ def _sequences(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> lis
 def build_tiny_store(path: str | Path, *, num_samples: int = 24, min_len: int = 12, max_len: int = 40,
                      seed: int = 0, model_seed: int = 0, dtype: str = "float32",
                      model: LlamaForCausalLM | None = None, layers: tuple[int, ...] = (-1,),
-                     **arch_overrides) -> str:
+                     model_dir: str | Path | None = None, **arch_overrides) -> str:
     """Write a store of `num_samples` sequences; loss_mask covers the second half of each sequence
     (the "assistant" part); `layers` are HF hidden_states indices (-1 = after the final norm), as
-    `extract --layers` captures them. Returns the store path."""
+    `extract --layers` captures them. With `model_dir`, the target is saved there and the manifest records
+    its weight files' hash, as `extract` does, so commands given `--model model_dir` accept the store.
+    Returns the store path."""
     model = model or tiny_target(model_seed, **arch_overrides)
     cfg = model.config
     samples = []
@@ -67,10 +69,16 @@ def build_tiny_store(path: str | Path, *, num_samples: int = 24, min_len: int = 
             samples.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": mask,
                             "hidden_states": hidden.to(getattr(torch, dtype))})
     weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    weights_sha256 = hashlib.sha256(weights).hexdigest()
+    if model_dir is not None:
+        from beagle.target_model import weights_sha256 as files_sha256
+
+        model.save_pretrained(model_dir)
+        weights_sha256 = files_sha256(model_dir)
     target = {
         "name": f"tiny-llama-{model_seed}",
         "config_sha256": hashlib.sha256(cfg.to_json_string().encode()).hexdigest(),
-        "weights_sha256": hashlib.sha256(weights).hexdigest(),
+        "weights_sha256": weights_sha256,
         "architecture": _architecture(cfg),
     }
     write_store(str(path), samples,
