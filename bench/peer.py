@@ -145,7 +145,8 @@ def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path) -> li
                      "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", "bfloat16",
                      "--no-progress"]),
         ("export-features", [*cli, "export-features", str(out / "store"), "--format", "speculators",
-                             "--out", str(out / "speculators-data"), "--force", "--no-progress"]),
+                             "--model", str(target), "--out", str(out / "speculators-data"), "--force",
+                             "--no-progress"]),
     ]
 
 
@@ -175,22 +176,50 @@ def ours_commands(size: PeerSize, out: Path, target: Path) -> list[tuple[str, li
     ]
 
 
+# What the CPU needs of speculators' CLI beyond its defaults, each a documented flag value: FlexAttention (its
+# default) has no backward on the CPU, and its fused losses need Triton; a spawned dataloader worker per
+# core would only compete with the trainer for 2 cores (ours reads in the training process too).
+SPECULATORS_CPU_FLAGS = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0"]
+
+
+def theirs_epochs(out: Path, size: PeerSize) -> int:
+    """Epochs that cover `size.steps` of speculators' batches. Its `--max-steps` ends an epoch, not the run
+    (each later epoch still takes one step, at a learning rate its schedule has brought to 0, and validates),
+    so the epochs are sized to end near `--max-steps` instead: its sampler packs the training share
+    (`--train-data-ratio`, 0.9 by default) into batches of `--total-seq-len` tokens."""
+    lengths = json.loads((out / "speculators-data" / "beagle_features.json").read_text(encoding="utf-8"))
+    per_epoch = max(1, int(0.9 * lengths["tokens"] / size.batch_tokens))
+    return max(1, -(-size.steps // per_epoch))
+
+
 def theirs_command(size: PeerSize, out: Path, target: Path) -> tuple[str, list[str]]:
+    layers = json.loads((out / "speculators-data" / "beagle_features.json").read_text(encoding="utf-8"))
     return ("theirs-train", [str(SPECULATORS_PYTHON), str(SPECULATORS_CPU),
                              "--verifier-name-or-path", str(target),
-                             "--data-path", str(out / "speculators-data"),
+                             "--data-path", str(out / "speculators-data"), "--on-missing", "raise",
+                             "--target-layer-ids", *map(str, layers["target_layer_ids"]),
                              "--save-path", str(out / "theirs"),
-                             "--max-steps", str(size.steps), "--total-seq-len", str(size.batch_tokens),
+                             "--max-steps", str(size.steps), "--epochs", str(theirs_epochs(out, size)),
+                             "--total-seq-len", str(size.batch_tokens),
                              "--draft-vocab-size", str(size.draft_vocab),
-                             "--num-workers", "0", "--no-resume-from-checkpoint"])
+                             *SPECULATORS_CPU_FLAGS, "--no-resume-from-checkpoint"])
+
+
+def theirs_steps(log: Path) -> int:
+    """The optimizer steps speculators took, from its log (`global_step=N` is logged before each step's +1)."""
+    import re
+
+    steps = [int(n) for n in re.findall(r"global_step=(\d+)", log.read_text(encoding="utf-8", errors="replace"))]
+    return max(steps) + 1 if steps else 0
 
 
 def theirs_checkpoint(out: Path) -> Path:
-    """The last checkpoint speculators saved (a folder vLLM loads: config.json + model.safetensors)."""
-    folders = sorted((p for p in (out / "theirs").rglob("config.json")), key=lambda p: p.stat().st_mtime)
+    """The last checkpoint speculators saved: its highest-numbered epoch folder (config.json + model.safetensors,
+    which vLLM loads as a speculators model)."""
+    folders = [p for p in (out / "theirs").iterdir() if p.name.isdigit() and (p / "config.json").is_file()]
     if not folders:
         raise RuntimeError(f"speculators wrote no checkpoint under {out / 'theirs'}")
-    return folders[-1].parent
+    return max(folders, key=lambda p: int(p.name))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -242,6 +271,10 @@ def main(argv=None) -> int:
     for name, cmd in ours_commands(size, out, target):
         step(name, cmd, cli_env())
     step(*theirs_command(size, out, target), speculators_env())
+    report["theirs_steps_taken"] = theirs_steps(out / "logs" / "theirs-train.log")
+    report["speculators_cpu_changes"] = ("bench/speculators_cpu.py: device 'cpu' for the model and batches, CPU "
+                                         "autocast, no accelerator synchronize; flags " +
+                                         " ".join(SPECULATORS_CPU_FLAGS))
     drafters = {"ours": out / "ours-eagle3", "theirs": theirs_checkpoint(out)}
     report["drafters"] = {k: str(v) for k, v in drafters.items()}
 
