@@ -348,9 +348,10 @@ def export_eagle(drafter: str | os.PathLike | nn.Module, target: EngineTarget, o
 def export_native(drafter: str | os.PathLike | nn.Module, out_dir: str | os.PathLike, *,
                   metadata: dict[str, Any] | None = None, replace: bool = False) -> Path:
     """This project's own format: a drafter folder copied as it is, or a loaded drafter saved with `metadata`."""
-    out, staging = _staging(out_dir, replace)
+    is_folder = isinstance(drafter, (str, os.PathLike))
+    out, staging = _staging(out_dir, replace, drafter if is_folder else None)
     try:
-        if isinstance(drafter, (str, os.PathLike)):
+        if is_folder:
             for name in (CONFIG_NAME, WEIGHTS_NAME):
                 source = Path(drafter) / name
                 if not source.is_file():
@@ -358,6 +359,8 @@ def export_native(drafter: str | os.PathLike | nn.Module, out_dir: str | os.Path
                 atomic.write_bytes(staging / name, source.read_bytes())
         else:
             save_drafter(staging, getattr(drafter, "drafter", drafter), metadata=metadata or {})
+        atomic.write_text(staging / PROVENANCE_NAME, json.dumps(
+            {"format": "native", "drafter": str(Path(drafter).resolve()) if is_folder else None}, indent=2) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -377,10 +380,37 @@ def _provenance(model, meta, target: EngineTarget, *, format: str, vocab, embed_
             "train_steps": meta.get("train_steps")}
 
 
-def _staging(out_dir: str | os.PathLike, replace: bool) -> tuple[Path, Path]:
-    out = Path(out_dir)
-    if out.exists() and not replace:
-        raise ValueError(f"{out} exists; choose another --out or pass --force to replace it")
+EXPORT_FILES = frozenset({CONFIG_NAME, WEIGHTS_NAME, PROVENANCE_NAME})  # all an export of ours holds
+
+
+def check_replaceable(out_dir: str | os.PathLike, replace: bool, source: str | os.PathLike | None = None) -> Path:
+    """`out_dir`, resolved, once it is known that writing there deletes nothing that is not ours: it does not
+    exist, or (with `replace`) it is an earlier export of ours, its marker `beagle_export.json` beside nothing
+    but the files an export writes. The current folder, a folder holding it, and the drafter being exported
+    are refused whatever `replace` says (docs/reliability.md, "nothing is deleted that is not ours")."""
+    out = Path(out_dir).resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents or out.parent == out:
+        raise ValueError(f"--out {out_dir} is the current folder or holds it; name a new folder, e.g. "
+                         f"--out {Path(out_dir) / 'export'}")
+    if source is not None and out == Path(source).resolve():
+        raise ValueError(f"--out {out_dir} is the drafter being exported; choose another --out")
+    if not out.exists():
+        return out
+    if not replace:
+        raise ValueError(f"{out_dir} exists; choose another --out or pass --force to replace an earlier export")
+    entries = {entry.name for entry in out.iterdir()} if out.is_dir() else None
+    if entries is None or PROVENANCE_NAME not in entries or not entries <= EXPORT_FILES:
+        foreign = "it is not a folder" if entries is None else (
+            f"no {PROVENANCE_NAME}" if PROVENANCE_NAME not in entries
+            else f"it holds files an export does not write: {', '.join(sorted(entries - EXPORT_FILES)[:3])}")
+        raise ValueError(f"{out_dir} exists and is not an export of ours ({foreign}); --force replaces only an "
+                         "earlier export: choose another --out")
+    return out
+
+
+def _staging(out_dir: str | os.PathLike, replace: bool, source: str | os.PathLike | None = None) -> tuple[Path, Path]:
+    out = check_replaceable(out_dir, replace, source)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.incomplete-", dir=out.parent))
     umask = os.umask(0)

@@ -134,7 +134,11 @@ def _staging_for(out: Path, dataset_id: str) -> tuple[Path, int]:
 
 
 def check_replaceable(out: Path, force: bool) -> None:
-    """`out` may be written: it does not exist, or it is an export of ours and `force` says replace it."""
+    """`out` may be written: it does not exist, or it is an export of ours and `force` says replace it (never
+    the current folder or one holding it)."""
+    cwd = Path.cwd().resolve()
+    if out.resolve() == cwd or out.resolve() in cwd.parents:
+        raise FileExistsError(f"--out {out} is the current folder or holds it; name a new folder")
     if not out.exists():
         return
     if not force:

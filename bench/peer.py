@@ -67,7 +67,7 @@ class PeerSize:
 SIZES = {
     "quick": PeerSize("quick", prompts=120, max_new_tokens_answer=128, max_length=512, steps=60, batch_tokens=4096,
                       serve_prompts=8, max_new_tokens=48, ks=(3,)),
-    "full": PeerSize("full", prompts=800, max_new_tokens_answer=192, max_length=1024, steps=300, batch_tokens=4096,
+    "full": PeerSize("full", prompts=800, max_new_tokens_answer=192, max_length=1024, steps=300, batch_tokens=2048,
                      serve_prompts=40, max_new_tokens=64, ks=(1, 2, 3)),
 }
 

@@ -435,6 +435,46 @@ def test_cli_exports_a_run_and_refuses_with_one_line(target, target_dir, tmp_pat
     assert not (tmp_path / "x").exists()
 
 
+def test_force_replaces_only_an_earlier_export_of_ours(target, target_dir, tmp_path, monkeypatch):
+    """`--force` must never delete what an export did not write: an unrelated folder, a feature store, the
+    training run, the drafter being exported, the current folder (which used to fail with EBUSY and leave
+    `..incomplete-*` folders behind). Each is refused in one line, untouched; an earlier export is replaced."""
+    from tests.tiny_store import build_tiny_store
+
+    run = _run_dir(tmp_path, _state_drafter(target))
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    (unrelated / "todo.txt").write_text("keep")
+    store = Path(build_tiny_store(tmp_path / "store", num_samples=2))
+    runner = CliRunner()
+
+    def export(out, *args):
+        return runner.invoke(cli_main, ["export", str(run), "--target", str(target_dir), "--out", str(out),
+                                        "--force", *args])
+
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    foreign = ("not an export of ours",)
+    for out, messages in ((unrelated, foreign), (store, foreign), (run, foreign),
+                          (run / "drafter", (*foreign, "is the drafter being exported"))):
+        for args in ((), ("--format", "native")):
+            result = export(out, *args)
+            assert result.exit_code == 1 and any(m in result.output for m in messages), result.output
+            assert len(result.output.strip().splitlines()) == 1
+    monkeypatch.chdir(run)
+    for out in (".", str(tmp_path)):
+        result = export(out)
+        assert result.exit_code == 1 and "the current folder" in result.output, result.output
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    assert not [path for path in tmp_path.rglob("*incomplete*")]
+    for args in ((), ("--format", "native")):
+        assert export(tmp_path / f"e-{len(args)}", *args).exit_code == 0
+        result = export(tmp_path / f"e-{len(args)}", *args)                     # an export of ours: replaced
+        assert result.exit_code == 0, result.output
+    result = runner.invoke(cli_main, ["export", str(tmp_path / "e-2"), "--format", "native",
+                                      "--out", str(tmp_path / "e-2"), "--force"])
+    assert result.exit_code == 1 and "is the drafter being exported" in result.output, result.output
+
+
 def test_native_export_of_a_loaded_drafter_reloads(target, tmp_path):
     from beagle.export import load_drafter
 
