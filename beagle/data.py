@@ -10,6 +10,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -179,6 +180,12 @@ class StoreSet:
 
     def load_head(self) -> dict[str, Tensor]:
         return self.stores[0].load_head()
+
+    @property
+    def recorded_urls(self) -> list[str]:
+        """The stores' URLs as a run records them: a local path made absolute (a run's record of a relative
+        path would name whatever a later command's current folder holds), a fsspec URL as given."""
+        return [url if "://" in url else str(Path(url).resolve()) for url in self.urls]
 
     def __len__(self) -> int:
         return int(self._starts[-1])

@@ -253,7 +253,7 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
 def _write_run_config(run_dir: Path, config: TrainConfig, data: StoreSet, drafter_config: DrafterConfig,
                       state_rms: float, dtype: torch.dtype, val: ValidationSet | None = None) -> None:
     run_info = {
-        "config": config.to_dict(), "stores": data.urls, "dataset_ids": data.dataset_ids,
+        "config": config.to_dict(), "stores": data.recorded_urls, "dataset_ids": data.dataset_ids,
         "target": fingerprint(data.target), "drafter": drafter_config.to_dict(),
         "state_rms": state_rms, "noise_std_relative": config.noise_std,
         "noise_std_absolute": config.noise_std * state_rms, "precision": str(dtype).removeprefix("torch."),
@@ -440,7 +440,7 @@ def _finish_run(run: _Run, position: tuple[int, int]) -> None:
     if run.last_saved != run.step:
         _save(run, position)
     save_drafter(run.run_dir / "drafter", run.model, metadata={
-        "dataset_ids": run.data.dataset_ids, "stores": run.data.urls, "target": fingerprint(run.data.target),
+        "dataset_ids": run.data.dataset_ids, "stores": run.data.recorded_urls, "target": fingerprint(run.data.target),
         "train_steps": run.step, "window_size": run.config.window_size,
         "simulation_steps": run.config.simulation_steps, "precision": str(run.dtype).removeprefix("torch."),
         **({} if run.draft_tokens is None else {"draft_vocab": run.draft_tokens.tolist()}),

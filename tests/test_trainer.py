@@ -221,3 +221,32 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule_to_the_last_step(s
               if json.loads(line).get("split", "train") == "train"]
     assert logged == pytest.approx([_learning_rate(TrainConfig(lr=1e-3, warmup_steps=2, lr_schedule=schedule), s, 6)
                                     for s in range(6)])
+
+
+def test_a_run_records_its_stores_absolutely_and_export_refuses_another_store_at_that_path(tmp_path, monkeypatch):
+    """A run trained on `--store st` (relative) must not make `export`, run from a folder that holds another
+    target's store named `st`, write that target's head: the run records the path absolutely, and export
+    checks the store's dataset_id against the drafter's before it reads a head."""
+    from pipeline.cli import main as cli_main
+
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    build_tiny_store(here / "st", num_samples=8, layers=(1, -1))
+    build_tiny_store(elsewhere / "st", num_samples=8, layers=(1, -1), model_seed=7)
+    monkeypatch.chdir(here)
+    train(["st"], tmp_path / "run", TrainConfig(**{**FAST, "max_steps": 2, "residual": "state"}))
+    recorded = json.loads((tmp_path / "run" / "run_config.json").read_text())["stores"]
+    assert recorded == [str(here / "st")]
+    drafter_meta = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert drafter_meta["stores"] == [str(here / "st")]
+    for key in ("stores",):  # as a run recorded before this fix: the relative name
+        drafter_meta[key] = ["st"]
+    (tmp_path / "run" / "drafter" / "config.json").write_text(json.dumps(drafter_meta))
+    (tmp_path / "run" / "run_config.json").write_text(json.dumps({"stores": ["st"]}))
+    monkeypatch.chdir(elsewhere)
+    result = CliRunner().invoke(cli_main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "e3")])
+    assert result.exit_code == 1 and "is now another store" in result.output, result.output
+    assert not (tmp_path / "e3").exists()
+    monkeypatch.chdir(here)
+    result = CliRunner().invoke(cli_main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "e3")])
+    assert result.exit_code == 0, result.output

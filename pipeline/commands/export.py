@@ -41,15 +41,28 @@ def _target(target_dir: str | None, meta: dict, run_config: dict):
                        f"{target_dir}/config.json (sha256 {trained_for[:12]} vs {actual[:12]})", err=True)
         return target
     stores = list(meta.get("stores") or run_config.get("stores") or [])
+    trained_on = set(meta.get("dataset_ids") or run_config.get("dataset_ids") or [])
     problems = []
     for url in stores:
         try:
+            found = _store_identity(url)
+            if trained_on and found not in trained_on:  # another store now at the recorded path
+                problems.append(f"{url} is now another store (dataset_id {found[:12]}; the drafter trained on "
+                                f"{', '.join(sorted(i[:12] for i in trained_on))})")
+                continue
             return target_from_store(url)
         except Exception as error:  # a moved or remote store: say why, try the next one
             problems.append(f"{url}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
     reason = "; ".join(problems) if problems else "the drafter's config.json lists no training store"
     raise click.ClickException(f"no --target given and no training store opens ({reason}); pass --target "
                                "TARGET_DIR, the target model folder")
+
+
+def _store_identity(url: str) -> str:
+    """The dataset_id of the store at `url` (its manifest only)."""
+    from pipeline.store import open_store
+
+    return open_store(url).dataset_id
 
 
 @click.command("export")
