@@ -40,6 +40,37 @@ def save_drafter(directory: str | os.PathLike, model: torch.nn.Module, *,
     log.info("exported drafter to %s (%d tensors)", directory, len(weights))
 
 
+def read_drafter_meta(config_path: str | os.PathLike) -> dict[str, Any]:
+    """A drafter folder's config.json, or a one-line ValueError naming the file and the fix: not JSON, not
+    an object, or an engine export (EAGLE-3/EAGLE layout for vLLM and SGLang), which is ours to write, not
+    to read back."""
+    config_path = Path(config_path)
+    try:
+        meta = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_path} is not valid JSON ({type(error).__name__}); the drafter folder is "
+                         "damaged: re-export it or retrain") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{config_path} holds a {type(meta).__name__}, not a drafter config (a JSON object); "
+                         "the drafter folder is damaged: re-export it or retrain")
+    if "speculators_config" in meta or any("Eagle" in str(a) for a in meta.get("architectures") or ()):
+        raise ValueError(f"{config_path.parent} is an engine export (EAGLE layout, for vLLM or SGLang), not a "
+                         "drafter of ours; pass the training run (RUN or RUN/drafter) or an "
+                         "`export --format native` copy")
+    return meta
+
+
+def read_weights(weights_path: str | os.PathLike) -> dict[str, Tensor]:
+    """A drafter's model.safetensors, or a one-line ValueError when it is damaged (a bad header, a truncated
+    file): safetensors' own checks, which cover every byte of the header and the file's length."""
+    try:
+        return load_file(str(weights_path))
+    except Exception as error:  # safetensors raises its own error types (SafetensorError) for damage
+        raise ValueError(f"{weights_path} is not a whole safetensors file ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}); the drafter is damaged: "
+                         "re-export it or retrain") from None
+
+
 def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head: Tensor,
                  device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -51,12 +82,12 @@ def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found; point --drafter at a RUN/drafter directory "
                                     "written by `beagle-pipeline train`")
-    meta = json.loads(config_path.read_text(encoding="utf-8"))
+    meta = read_drafter_meta(config_path)
     form = form_named(meta.get("drafter_type"), where=f"{config_path}: drafter_type")
     names = DrafterConfig.__dataclass_fields__.keys()
     config = DrafterConfig.from_dict({k: meta[k] for k in names if k in meta})
     model = build_drafter(form, config, embed_tokens, lm_head)
-    state = load_file(str(weights_path))
+    state = read_weights(weights_path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights_path} does not match the drafter config: missing={missing}, "

@@ -475,6 +475,44 @@ def test_force_replaces_only_an_earlier_export_of_ours(target, target_dir, tmp_p
     assert result.exit_code == 1 and "is the drafter being exported" in result.output, result.output
 
 
+def test_damaged_or_foreign_drafter_folders_are_refused_in_one_line(target, target_dir, tmp_path):
+    """A flipped header byte, a truncated weights file (which `--format native` used to copy with rc 0), an
+    engine export given back as RUN, a config.json that is not an object: one line naming the file and the
+    fix, never a traceback, and nothing written."""
+    from beagle.export import load_drafter
+
+    runner = CliRunner()
+    good = _run_dir(tmp_path / "good", _state_drafter(target))
+    assert runner.invoke(cli_main, ["export", str(good), "--target", str(target_dir),
+                                    "--out", str(tmp_path / "engine")]).exit_code == 0
+    weights = (good / "drafter" / "model.safetensors").read_bytes()
+
+    def damaged(name: str, config: str | None = None, payload: bytes | None = None) -> Path:
+        run = tmp_path / name / "run"
+        shutil.copytree(good, run)
+        if payload is not None:
+            (run / "drafter" / "model.safetensors").write_bytes(payload)
+        if config is not None:
+            (run / "drafter" / "config.json").write_text(config)
+        return run
+
+    flipped = bytearray(weights)
+    flipped[12] ^= 0xFF                                                  # inside the JSON header
+    cases = [(damaged("flipped", payload=bytes(flipped)), "not a whole safetensors file"),
+             (damaged("truncated", payload=weights[:-100]), "not a whole safetensors file"),
+             (damaged("list", config="[1, 2]"), "holds a list"),
+             (damaged("text", config="{not json"), "not valid JSON"),
+             (tmp_path / "engine", "is an engine export")]
+    for run, message in cases:
+        for args in ((), ("--format", "native")):
+            result = runner.invoke(cli_main, ["export", str(run), "--target", str(target_dir), *args,
+                                              "--out", str(tmp_path / "out")])
+            assert result.exit_code == 1 and message in result.output, (run, args, result.output)
+            assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="is an engine export"):
+        load_drafter(tmp_path / "engine", embed_tokens=target.embed_tokens, lm_head=target.lm_head)
+
+
 def test_native_export_of_a_loaded_drafter_reloads(target, tmp_path):
     from beagle.export import load_drafter
 

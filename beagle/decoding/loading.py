@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import torch
 from beagle.decoding.verify import check_supported
 from beagle.devices import torch_dtype
 from beagle.errors import InputError
-from beagle.export import CONFIG_NAME, load_drafter
+from beagle.export import CONFIG_NAME, load_drafter, read_drafter_meta
 from beagle.target_facts import facts_from_config, read_target_facts
 from beagle.target_model import TargetSpec, check_weights_match, weights_sha256
 
@@ -49,7 +48,7 @@ def load_drafter_for(drafter_dir: str | Path, model, dtype: str, device: torch.d
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found; point --drafter at RUN/drafter written by "
                                 "`beagle-pipeline train`")
-    meta = json.loads(config_path.read_text(encoding="utf-8"))
+    meta = read_drafter_meta(config_path)
     target_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight

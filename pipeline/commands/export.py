@@ -106,7 +106,10 @@ def export(run, fmt, out_dir, target_dir, speculative_tokens, dtype, embed_token
     from beagle.engine_export import export_eagle, export_eagle3, export_native
 
     drafter_dir, run_config = _drafter_folder(run)
-    meta = json.loads((drafter_dir / "config.json").read_text(encoding="utf-8"))
+    from beagle.export import read_drafter_meta, read_weights
+
+    meta = read_drafter_meta(drafter_dir / "config.json")
+    read_weights(drafter_dir / "model.safetensors")  # damage is found before any format copies it
     if fmt == "native":
         written = export_native(drafter_dir, out_dir, replace=force)
     else:
