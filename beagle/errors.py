@@ -20,3 +20,15 @@ class InputError(BeagleError):
 
 class RunStateError(BeagleError):
     """The run directory's state forbids the command (a resume of another recipe, a foreign folder)."""
+
+
+def refuse_non_finite(config: object) -> None:
+    """A SettingsError naming the first float field of the dataclass `config` that is nan or inf: range checks
+    (`x >= 0`, `x > 0`) let both through (nan compares False, inf passes), and either trains or samples to NaN."""
+    import dataclasses
+    import math
+
+    for field in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SettingsError(f"--{field.name.replace('_', '-')} {value}: must be a finite number")

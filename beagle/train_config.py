@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from beagle.errors import SettingsError
+from beagle.errors import SettingsError, refuse_non_finite
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")  # `train --lr-schedule`: what follows the linear warm-up
@@ -63,6 +63,7 @@ class TrainConfig:
     eval_every: int = 500                 # steps between validations (and one at the end)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         checks = [
             (self.drafter in DRAFTERS, f"drafter={self.drafter!r} must be one of {list(DRAFTERS)}"),
             (self.residual in RESIDUALS, f"residual={self.residual!r} must be one of {list(RESIDUALS)}"),

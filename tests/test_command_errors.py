@@ -56,3 +56,33 @@ def test_eval_says_a_contradicting_flag_is_a_usage_error_and_a_missing_drafter_a
     assert usage.exit_code == 2 and "--min-confidence works with --temperature 0 only" in usage.output
     data = CliRunner().invoke(main, base)
     assert data.exit_code == 1 and "config.json" in data.output and "Usage:" not in data.output, data.output
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_float_settings_refuse_nan_and_inf(value):
+    """Range checks let nan and inf through (nan compares False; inf passes `x >= 0`); each trained or sampled
+    to NaN. Every float setting of training, drafting and regeneration refuses them by name."""
+    from beagle.decoding.tree import DraftConfig
+    from beagle.errors import SettingsError
+    from beagle.train_config import TrainConfig
+    from pipeline.regenerate.generation import GenerateConfig
+    from pipeline.regenerate.job import RegenerateConfig, _check
+
+    for build, flag in ((lambda: TrainConfig(lr=float(value)), "--lr"),
+                        (lambda: TrainConfig(regression_weight=float(value)), "--regression-weight"),
+                        (lambda: TrainConfig(noise_std=float(value)), "--noise-std"),
+                        (lambda: DraftConfig(temperature=float(value)), "--temperature"),
+                        (lambda: _check(RegenerateConfig(GenerateConfig("m", temperature=float(value)), ("d",),
+                                                         "o.jsonl")), "--temperature")):
+        with pytest.raises(SettingsError, match=f"^{flag} {value}: must be a finite number"):
+            build()
+
+
+def test_train_and_eval_refuse_an_infinite_rate_or_temperature_on_the_command_line(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--store", str(tmp_path), "--out", str(tmp_path / "r"),
+                                       "--lr", "inf"])
+    assert result.exit_code == 2 and "--lr inf: must be a finite number" in result.output, result.output

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from beagle.errors import SettingsError
+from beagle.errors import SettingsError, refuse_non_finite
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class DraftConfig:
     min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         if self.depth < 1:
             raise SettingsError(f"depth={self.depth}: draft at least one token (--depth >= 1)")
         if self.top_k < 1:

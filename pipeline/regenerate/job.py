@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from beagle.devices import DTYPES
+from beagle.errors import refuse_non_finite
 from beagle.host_memory import peak_rss_mib
 from beagle.target_facts import read_target_facts
 from beagle.target_model import check_weights_match, weight_files
@@ -125,6 +126,7 @@ def partial_dir(out: str) -> Path:
 def _check(config: RegenerateConfig) -> None:
     """Everything that can be refused before reading inputs or loading the model, as one-line errors."""
     generate = config.generate
+    refuse_non_finite(generate)
     if not config.data:
         raise ValueError("--data: give at least one input file")
     if "://" in config.out:
