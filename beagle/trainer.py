@@ -288,9 +288,24 @@ def _train_epochs(run: _Run, on_step: Callable[[dict[str, Any], int], None] | No
                 done = batch_index + 1 == len(run.plans[epoch])
                 position = (epoch + 1, 0) if done else (epoch, batch_index + 1)
                 metrics = _optimizer_step(run, run_loss, loss_fn, batch, wait, stage=phases[epoch], epoch=epoch)
+                _refuse_non_finite_loss(run, metrics, run.plans[epoch][batch_index])
                 _log_step(run, metrics, metrics_file, on_step, position)
             start_batch = 0
     return position
+
+
+def _refuse_non_finite_loss(run: _Run, metrics: dict[str, Any], samples: list[int]) -> None:
+    """Stop at the first step whose loss is nan or inf, before it is logged or saved: one NaN state in a store
+    (or a diverging rate) otherwise trains every weight to NaN and still ends with rc 0. The loss is already
+    on the host (the step's one sync), so the check costs nothing."""
+    loss = metrics["loss"]
+    if math.isfinite(loss):
+        return
+    named = ", ".join(map(str, samples[:8])) + (" ..." if len(samples) > 8 else "")
+    kept = f"the last checkpoint (step {run.last_saved}) is intact" if run.last_saved > 0 else "nothing was saved"
+    raise RunStateError(f"step {metrics['step']} (epoch {metrics['epoch']}): the loss is {loss} on samples [{named}] "
+                        f"of {run.data.urls}; run `beagle-pipeline verify` on the store (non-finite states) or "
+                        f"lower --lr; {kept}")
 
 
 def _step_batches(run: _Run, epoch: int, start: int) -> Iterator[tuple[int, list[Batch], float]]:

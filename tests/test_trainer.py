@@ -250,3 +250,14 @@ def test_a_run_records_its_stores_absolutely_and_export_refuses_another_store_at
     monkeypatch.chdir(here)
     result = CliRunner().invoke(cli_main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "e3")])
     assert result.exit_code == 0, result.output
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_samples(tmp_path):
+    """One NaN in a store's states used to train every weight to NaN and end with rc 0, `metrics.jsonl`
+    holding bare NaN; the run now stops at that step, before logging or saving it."""
+    store = build_tiny_store(tmp_path / "st", num_samples=6, nan_sample=2, layers=(1, -1))
+    with pytest.raises(ValueError, match=r"step \d+ \(epoch \d+\): the loss is nan on samples \[.*2.*\]"):
+        train([store], tmp_path / "run", TrainConfig(**{**FAST, "max_steps": 20, "batch_tokens": 4000}))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert all("NaN" not in line for line in lines)
+    assert not (tmp_path / "run" / "drafter").exists()

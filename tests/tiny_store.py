@@ -51,12 +51,13 @@ def _sequences(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> lis
 def build_tiny_store(path: str | Path, *, num_samples: int = 24, min_len: int = 12, max_len: int = 40,
                      seed: int = 0, model_seed: int = 0, dtype: str = "float32",
                      model: LlamaForCausalLM | None = None, layers: tuple[int, ...] = (-1,),
-                     model_dir: str | Path | None = None, **arch_overrides) -> str:
+                     model_dir: str | Path | None = None, nan_sample: int | None = None,
+                     **arch_overrides) -> str:
     """Write a store of `num_samples` sequences; loss_mask covers the second half of each sequence
     (the "assistant" part); `layers` are HF hidden_states indices (-1 = after the final norm), as
     `extract --layers` captures them. With `model_dir`, the target is saved there and the manifest records
     its weight files' hash, as `extract` does, so commands given `--model model_dir` accept the store.
-    Returns the store path."""
+    `nan_sample`: that sample's states hold one NaN (a target that overflowed). Returns the store path."""
     model = model or tiny_target(model_seed, **arch_overrides)
     cfg = model.config
     samples = []
@@ -64,6 +65,8 @@ def build_tiny_store(path: str | Path, *, num_samples: int = 24, min_len: int = 
         for i, ids in enumerate(_sequences(num_samples, cfg.vocab_size, seed, min_len, max_len)):
             out = model(input_ids=ids[None], output_hidden_states=True)
             hidden = torch.stack([out.hidden_states[layer][0] for layer in layers])  # [n_layers, L, d]
+            if i == nan_sample:
+                hidden[:, len(ids) // 2, 0] = float("nan")
             mask = torch.zeros(len(ids), dtype=torch.bool)
             mask[len(ids) // 2:] = True
             samples.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": mask,
