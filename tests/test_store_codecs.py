@@ -75,3 +75,15 @@ def test_extract_refuses_a_lossless_store_dtype_other_than_the_models(tmp_path):
                                     str(tmp_path / "o"), "--store-dtype", "int8", "--compression", "zstd",
                                     "--dry-run", "--no-progress"])
     assert dry.exit_code == 0, dry.output
+
+
+def test_verify_finds_a_non_finite_scale_of_an_int8_store(tmp_path):
+    """One NaN in a token's states makes its int8 scale NaN and the whole row decode as NaN, while its codes
+    look fine: verify used to call such a store sound (a bf16 store of the same data was flagged)."""
+    samples = make_samples(4, torch.float32, layers=2)
+    samples[1]["hidden_states"][0, 3, 5] = float("nan")
+    url = str(tmp_path / "int8")
+    build(url, samples, "int8", layers=[3, -1])
+    report = verify_store(url)
+    assert not report.ok and any("1 non-finite scales" in problem for problem in report.problems), report.problems
+    assert np.isnan(open_store(url)[1]["hidden_states"][0, 3]).all()  # the whole row, as the docstring says

@@ -169,3 +169,10 @@ def _check_shard_states(store: FeatureStore, shard, where: str, report: VerifyRe
             if bad:
                 report.problems.append(f"{name}: {bad} non-finite values in rows {start}..{start + len(block) - 1}")
                 break
+    if store.dtype in fmt.LOSSY_DTYPES:  # value = code x scale: a non-finite scale makes its whole row NaN
+        for layer, scales in zip(store.layers, shard.scales):
+            bad_rows = np.flatnonzero(~np.isfinite(scales))
+            if bad_rows.size:
+                report.problems.append(f"{where}/{fmt.scale_array_name(layer)}: {bad_rows.size} non-finite scales "
+                                       f"(rows {int(bad_rows[0])}..): those tokens decode as NaN; the target's "
+                                       "states overflowed, re-extract in a wider --dtype")
