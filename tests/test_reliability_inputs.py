@@ -64,3 +64,31 @@ def test_a_conversation_of_too_many_turns_is_rejected_before_it_is_tokenized(tmp
     assert dry.exit_code == 0, dry.output
     assert "too_many_turns" in dry.output and "samples      1" in dry.output, dry.output
     assert time.perf_counter() - started < 30
+
+
+def test_a_utf8_bom_opening_a_json_array_or_jsonl_file_is_not_a_record(tmp_path):
+    """Windows editors open files with a BOM: a JSON array holding two records used to become one
+    malformed_json reject ("all 1 records were rejected" for a file of 2)."""
+    import json
+
+    from beagle.records.files import iter_raw_records
+
+    records = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(2)]
+    array, lines = tmp_path / "a.json", tmp_path / "l.jsonl"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(records).encode())
+    lines.write_bytes(b"\xef\xbb\xbf" + "\n".join(map(json.dumps, records)).encode())
+    for path in (array, lines):
+        read = list(iter_raw_records(path))
+        assert [obj for _, obj, reject, _ in read] == records and not any(reject for _, _, reject, _ in read)
+
+
+def test_a_damaged_parquet_file_is_named_in_one_line(tmp_path):
+    import pytest
+
+    from beagle.errors import InputError
+    from beagle.records.files import iter_raw_records
+
+    path = tmp_path / "chats.parquet"
+    path.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(InputError, match=r"chats\.parquet: not a readable Parquet file"):
+        list(iter_raw_records(path))

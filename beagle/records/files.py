@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from beagle.errors import InputError
-from beagle.records.json_arrays import JsonArrayError, json_array_items
+from beagle.records.json_arrays import UTF8_BOM, JsonArrayError, json_array_items
 from beagle.records.reasons import DEFAULT_MAX_RECORD_BYTES, RejectReason, RejectRecord
 
 LINE_BLOCK_BYTES = 1 << 20  # bytes read at a time while skipping the rest of a line over the size limit
@@ -57,6 +57,8 @@ def iter_raw_records(path: Path, *, max_record_bytes: int = DEFAULT_MAX_RECORD_B
                 yield i, None, RejectRecord(RejectReason.TOO_LARGE, f"line {i + 1}: {size:,} bytes, more than "
                                             f"--max-record-bytes {max_record_bytes:,}"), i + 1
                 continue
+            if i == 0:
+                raw = raw.removeprefix(UTF8_BOM)  # a BOM opens the file, not the first record
             if not raw.strip():
                 continue
             try:
@@ -87,9 +89,15 @@ def _rows(path: Path, max_record_bytes: int, flag: str) -> Iterator[Any]:
                              f"directory, e.g. {path / next(iter(data))}")
         yield from data
     elif path.suffix.lower() == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
+        try:
+            batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+            for batch in batches:
+                yield from batch.to_pylist()
+        except (pa.ArrowException, OSError) as exc:  # a damaged or non-Parquet file
+            raise InputError(f"{flag} {path}: not a readable Parquet file ({str(exc).splitlines()[0]}); fix or "
+                             "re-export it") from None
     else:
         try:
             # elements a little over the limit are still built, and rejected as too_large by the caller
@@ -102,7 +110,7 @@ def _rows(path: Path, max_record_bytes: int, flag: str) -> Iterator[Any]:
 def _starts_array(path: Path) -> bool:
     """A .json file holding one array (else it is read as JSON Lines, one object per line)."""
     with open(path, "rb") as probe:
-        return probe.read(4096).lstrip().startswith(b"[")
+        return probe.read(4096).removeprefix(UTF8_BOM).lstrip().startswith(b"[")
 
 
 def bounded_lines(handle: Any, limit: int, block_bytes: int = LINE_BLOCK_BYTES) -> Iterator[tuple[bytes | None, int]]:

@@ -49,6 +49,9 @@ class JsonArrayError(ValueError):
     """The file is not one JSON array: what the parser said, and after how many elements."""
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def has_lone_surrogate_escape(handle: BinaryIO, block_bytes: int = SCAN_BLOCK_BYTES) -> bool:
     """True if the bytes hold a `\\uD800`-`\\uDFFF` escape that is not half of a pair (an escaped backslash
     before it may make this a false alarm, which costs speed, never correctness)."""
@@ -108,6 +111,8 @@ def _parse(path: str | Path, wrap: Callable[[BinaryIO], BinaryIO] | None, backen
     stats.backend = backend
     index, opened = 0, False
     with open(path, "rb") as raw:
+        if raw.read(len(UTF8_BOM)) != UTF8_BOM:  # a BOM (Windows editors write one) is not JSON: skipped
+            raw.seek(0)
         reader = _CountingReader(wrap(raw) if wrap is not None else raw)
         events = events_of(reader, use_float=True)
         try:
