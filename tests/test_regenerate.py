@@ -268,3 +268,9 @@ def test_cli_help_and_one_line_errors(workspace, tmp_path):
     result = runner.invoke(main, ["regenerate", "--model", str(workspace["target"]), "--data",
                                   str(workspace["data"]), "--out", str(tmp_path / "a.txt")])
     assert result.exit_code == 1 and "*.jsonl" in result.output
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = runner.invoke(main, ["regenerate", "--model", str(workspace["target"]), "--data", str(empty),
+                                  "--out", str(tmp_path / "a.jsonl")])
+    assert result.exit_code == 1 and "no records in the input; nothing to regenerate" in result.output, result.output
+    assert "all 0 records" not in result.output

@@ -478,6 +478,10 @@ def test_an_all_rejected_input_leaves_nothing_that_blocks_the_corrected_rerun(ra
     with pytest.raises(ValueError, match="all 2 records were rejected"):
         run_extract(replace(_config(job, out), data=(str(bad),)))
     assert not (out / "_pending.json").exists() and not (out / "manifest.json").exists()
+    empty = job["root"] / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no records in the input; nothing to extract$"):
+        run_extract(replace(_config(job, out), data=(str(empty),)))
     summary = run_extract(_config(job, out))
     assert summary.samples > 0 and verify_store(str(out)).ok
 

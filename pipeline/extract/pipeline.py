@@ -356,6 +356,9 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
         if not summary.samples:
             if state == "new":
                 abandon_new_store(url)  # nothing written: the corrected rerun must not meet a half-made store
+            if not summary.rejected:
+                raise ValueError(f"--data {', '.join(map(str, config.data))}: no records in the input; nothing to "
+                                 "extract")
             raise ValueError(f"all {summary.rejected} records were rejected ({summary.rejected_by_reason}); "
                              "nothing to extract; check the input format and --max-length")
         summary.forward_seconds = streamed.forwarded.seconds

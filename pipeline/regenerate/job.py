@@ -236,6 +236,9 @@ def _run_locked(config: RegenerateConfig, scan: InputScan, progress: Progress | 
                              "settings; pass --overwrite to replace it")
         manifest.unlink(missing_ok=True)  # --overwrite: the old output must never pass for the new one
         out.unlink()
+    if not scan.records and not scan.rejected_by_reason:
+        raise ValueError(f"--data {', '.join(map(str, config.data))}: no records in the input; nothing to "
+                         "regenerate")
     if not scan.records:
         raise ValueError(f"all {sum(scan.rejected_by_reason.values())} records were rejected "
                          f"({format_reasons(scan.rejected_by_reason)}); nothing to regenerate; check the input format")
