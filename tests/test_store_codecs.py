@@ -87,3 +87,16 @@ def test_verify_finds_a_non_finite_scale_of_an_int8_store(tmp_path):
     report = verify_store(url)
     assert not report.ok and any("1 non-finite scales" in problem for problem in report.problems), report.problems
     assert np.isnan(open_store(url)[1]["hidden_states"][0, 3]).all()  # the whole row, as the docstring says
+
+
+def test_info_says_an_int8_store_is_lossy(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    samples = make_samples(2, torch.float32, layers=1)
+    for dtype in ("int8", "float32"):
+        build(str(tmp_path / dtype), samples, dtype, layers=[-1])
+    lossy = CliRunner().invoke(main, ["info", str(tmp_path / "int8")]).output
+    exact = CliRunner().invoke(main, ["info", str(tmp_path / "float32")]).output
+    assert "int8 (lossy" in lossy and "lossy" not in exact

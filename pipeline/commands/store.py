@@ -73,7 +73,9 @@ def info(store: str, as_json: bool) -> None:
         ("target", facts["target"].get("name", "?")),
         ("hidden size", facts["hidden_size"]),
         ("layers", ", ".join(map(str, facts["layers"]))),
-        ("dtype", facts["dtype"]),
+        ("dtype", facts["dtype"] + {"int8": " (lossy: int8 codes x a per-token scale, within half a step of "
+                                             "each token's absmax / 127)",
+                                    "float8_e4m3": " (lossy: e4m3 codes x a per-token scale)"}.get(facts["dtype"], "")),
         ("samples", f"{facts['num_samples']:,}"),
         ("tokens", f"{facts['num_tokens']:,} ({facts['num_loss_tokens']:,} in the loss)"),
         ("rejected", f"{facts['num_rejected']:,} " + (json.dumps(facts["rejected_by_reason"])
