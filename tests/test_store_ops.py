@@ -188,3 +188,15 @@ def test_verify_reports_files_no_manifest_lists(tmp_path):
     assert report.unlisted == {"head.safetensors.tmp-1-abc": 20, "shards/shard-00001/stray.bin": 10}
     result = subprocess.run([*CLI, "verify", "--no-progress", url], capture_output=True, text=True)
     assert result.returncode == 0 and "NOTE: shards/shard-00001/stray.bin" in result.stderr, result.stderr
+
+
+def test_verify_notes_manifest_keys_the_format_does_not_define(tmp_path):
+    url = str(tmp_path / "s")
+    build(url, make_samples(3, torch.bfloat16), "bfloat16")
+    assert verify_store(url).unknown_keys == []
+    _edit_manifest(url, lambda m: m.update({"comment": "edited by hand"}))
+    report = verify_store(url)
+    assert report.ok and report.unknown_keys == ["comment"]
+    result = subprocess.run([*CLI, "verify", "--no-progress", url], capture_output=True, text=True)
+    assert result.returncode == 0 and "NOTE: manifest.json holds keys this format does not define: comment" in \
+        result.stderr, result.stderr

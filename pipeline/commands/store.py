@@ -109,6 +109,9 @@ def verify(store: str, no_progress: bool) -> None:
     for relative, size in report.unlisted.items():
         click.echo(f"NOTE: {relative} ({_human_bytes(size)}) is not listed in the manifest: it is not part of the "
                    "store and is never read; delete it", err=True)
+    if report.unknown_keys:
+        click.echo(f"NOTE: manifest.json holds keys this format does not define: {', '.join(report.unknown_keys)}; "
+                   "no reader uses them (a hand edit, or a newer writer)", err=True)
     if report.ok:
         click.echo(f"OK: {store} ({report.files_checked} files, {_human_bytes(report.bytes_checked)}) is sound")
         return

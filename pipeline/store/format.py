@@ -195,3 +195,9 @@ def major_version(version: str) -> int:
         return int(str(version).split(".")[0])
     except ValueError:
         raise StoreFormatError(f"schema_version {version!r} is not of the form MAJOR.MINOR") from None
+
+
+# Every top-level key a v1 manifest holds (writer.commit_manifest and store_identity write them); verify
+# notes any other (a hand edit, a newer writer): readers ignore it, so it changes nothing they read.
+MANIFEST_KEYS = frozenset({"schema_version", "format_version", "dataset_id", "target", "tokenizer", "capture",
+                           "source", "hidden_size", "layers", "dtype", "counts", "shards", "files", "extra"})

@@ -30,6 +30,8 @@ class VerifyReport:
     # Files under the store that no manifest lists, {relative path: bytes}: never read, so not a problem
     # of the store, but worth deleting (a crashed writer's leftovers, a copy gone wrong).
     unlisted: dict[str, int] = field(default_factory=dict)
+    # Top-level manifest keys this format does not define: ignored by every reader, so noted, not a problem.
+    unknown_keys: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,6 +70,7 @@ def verify_store(url: str, *, progress: Callable[[int], None] | None = None) -> 
     report.problems.extend(_listing_problems(store))
     report.problems.extend(_rejects_problems(store))
     report.unlisted = _unlisted_files(store)
+    report.unknown_keys = sorted(set(manifest) - fmt.MANIFEST_KEYS)
     if report.problems:  # content checks below would only repeat checksum failures more noisily
         return report
     ids_by_shard = []
