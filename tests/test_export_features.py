@@ -17,10 +17,10 @@ from beagle.feature_export import aux_layers_of, check_norm_inverse, export_spec
 from beagle.store_tensors import open_store
 from beagle.target_model import read_final_norm
 from pipeline.cli import main as cli
+from tests.test_engine_export import _speculators_venv
 from tests.tiny_store import build_tiny_store, tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECULATORS_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
 READER = ROOT / "tests" / "speculators_read_features.py"
 LAYERS = (1, 2, 3, -1)       # the three aux layers of a 4-layer target, and the state the LM head reads
 
@@ -39,17 +39,8 @@ def _export(store, target, out, *extra):
                                     "--no-progress", *extra])
 
 
-def _speculators_python() -> Path:
-    if SPECULATORS_PYTHON.is_file():
-        return SPECULATORS_PYTHON
-    reason = f"{SPECULATORS_PYTHON} is missing; build it with `make speculators-venv`"
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI must read the export with speculators' reader; `make test` builds it)")
-    pytest.skip(reason)
-
-
 def test_speculators_own_reader_yields_the_store(target_and_store, tmp_path):
-    python = _speculators_python()
+    python = _speculators_venv()  # skipped here without it, a failure in CI
     target, store_url = target_and_store
     done = _export(store_url, target, tmp_path / "data")
     assert done.exit_code == 0, done.output
