@@ -102,3 +102,12 @@ def test_an_s3_prefix_is_listed_like_a_folder(tmp_path):
         result = CliRunner().invoke(main, ["ls", f"{bucket}/stores", "--json"])
         assert result.exit_code == 0, result.output
         assert len(json.loads(result.output)) == len(entries)
+
+
+def test_a_symlink_loop_lists_each_store_once(tmp_path):
+    root = tmp_path / "stores"
+    build(str(root / "team" / "a"), make_samples(2, torch.bfloat16), "bfloat16")
+    (root / "team" / "loop").symlink_to(root, target_is_directory=True)   # team/loop/team/a is team/a again
+    (root / "again").symlink_to(root / "team", target_is_directory=True)
+    urls = [e.url for e in list_stores(str(root), depth=4)]
+    assert urls == [str(root / "team" / "a")], urls

@@ -7,6 +7,8 @@ a folder that holds no store at all each get a line saying so.
 """
 from __future__ import annotations
 
+import os
+
 import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -97,7 +99,15 @@ def list_stores(url: str, *, depth: int = 2) -> list[CatalogEntry]:
     def child_url(path: str) -> str:
         return base + path[len(root.rstrip("/")):]
 
+    local = fmt.is_local(fs)
+    seen: set[str] = set()  # real paths walked: a symlink loop, or a second link to a folder, is walked once
+
     def walk(path: str, level: int) -> list[CatalogEntry]:
+        if local:
+            real = os.path.realpath(path)
+            if real in seen:
+                return []
+            seen.add(real)
         entry = _entry(fs, path, child_url(path))
         if entry is not None:
             return [entry]
@@ -107,6 +117,8 @@ def list_stores(url: str, *, depth: int = 2) -> list[CatalogEntry]:
         for child in sorted(fs.ls(path, detail=True), key=lambda info: info["name"]):
             if child.get("type") != "directory":
                 continue
+            if local and os.path.realpath(child["name"]) in seen:
+                continue  # a link back to a folder already walked (a loop): not another folder to list
             below = walk(child["name"].rstrip("/"), level + 1)
             if below or level > 0:
                 found += below
