@@ -115,8 +115,9 @@ def _save_sample(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor) -> N
 
 
 def _staging_for(out: Path, dataset_id: str) -> tuple[Path, int]:
-    """The staging folder beside `out` and how many samples an earlier run against the same store left in it
-    (a staging folder of another store, or not ours, is refused rather than reused or deleted)."""
+    """The staging folder beside `out` and how many samples an earlier run against the same store left in it.
+    A staging folder of ours for another store (its marker names another dataset_id) is deleted and begun
+    again; one without our marker is refused, never reused or deleted."""
     staging = out.with_name(f".{out.name}.incomplete")
     marker = staging / PARTIAL_MARKER
     if staging.exists():
