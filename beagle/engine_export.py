@@ -389,8 +389,7 @@ def check_replaceable(out_dir: str | os.PathLike, replace: bool, source: str | o
     but the files an export writes. The current folder, a folder holding it, and the drafter being exported
     are refused whatever `replace` says (docs/reliability.md, "nothing is deleted that is not ours")."""
     out = Path(out_dir).resolve()
-    cwd = Path.cwd().resolve()
-    if out == cwd or out in cwd.parents or out.parent == out:
+    if atomic.holds_current_folder(out):
         raise ValueError(f"--out {out_dir} is the current folder or holds it; name a new folder, e.g. "
                          f"--out {Path(out_dir) / 'export'}")
     if source is not None and out == Path(source).resolve():

@@ -37,11 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.store.atomic import commit_directory, write_text
+from pipeline.store.atomic import commit_directory, holds_current_folder, write_text
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("speculators",)
 MARKER = "beagle_features.json"
 PARTIAL_MARKER = "beagle_features.partial.json"
 HIDDEN_DIR = "hidden_states"
@@ -137,8 +136,7 @@ def _staging_for(out: Path, dataset_id: str) -> tuple[Path, int]:
 def check_replaceable(out: Path, force: bool) -> None:
     """`out` may be written: it does not exist, or it is an export of ours and `force` says replace it (never
     the current folder or one holding it)."""
-    cwd = Path.cwd().resolve()
-    if out.resolve() == cwd or out.resolve() in cwd.parents:
+    if holds_current_folder(out):
         raise FileExistsError(f"--out {out} is the current folder or holds it; name a new folder")
     if not out.exists():
         return
@@ -168,39 +166,37 @@ def export_speculators(store_url: str, out: str | os.PathLike, *, final_norm: to
     gain = norm_gain(final_norm, hidden_size)
     staging, resumed = _staging_for(out, dataset_id)
     hidden_dir = staging / HIDDEN_DIR
+    aux_index = [layers.index(layer) for layer in aux]
     counts = np.zeros(vocab_size, dtype=np.int64)
-    lengths: list[int] = []
-    checked = False
+    tokens = 0
     for index in range(len(store)):
-        sample = store[index]
-        input_ids = sample["input_ids"].to(torch.int64)                          # [L]
-        loss_mask = sample["loss_mask"]                                           # [L] bool
-        states = sample["hidden_states"]                                          # [n_layers, L, d]
-        dtype = states.dtype if states.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-        np.add.at(counts, input_ids[loss_mask.bool()].numpy(), 1)
-        lengths.append(int(input_ids.shape[0]))
+        input_ids, loss_mask = store.get_tokens(index)                            # [L] int64, [L] bool
+        np.add.at(counts, input_ids[loss_mask.astype(bool)], 1)
+        tokens += int(input_ids.shape[0])
         path = hidden_dir / f"hs_{index}.safetensors"
-        if not checked:
-            check_norm_inverse(final_norm, states[last], gain, dtype)
-            checked = True
+        if index == 0 or not path.is_file():  # a resumed sample's file is whole: its states are not read
+            states = store[index]["hidden_states"]                                # [n_layers, L, d]
+            dtype = states.dtype if states.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+            if index == 0:
+                check_norm_inverse(final_norm, states[last], gain, dtype)
         if not path.is_file():
             last_state = pre_norm_state(states[last], gain).to(dtype)             # [L, d]
-            stacked = torch.stack([*(states[layers.index(a)].to(dtype) for a in aux), last_state], dim=1)
-            _save_sample(path, stacked, input_ids)                                # [L, n_aux + 1, d]
+            stacked = torch.stack([*(states[i].to(dtype) for i in aux_index), last_state], dim=1)
+            _save_sample(path, stacked, torch.from_numpy(np.asarray(input_ids, np.int64)))  # [L, n_aux + 1, d]
         if progress:
             progress(1)
     _write_dataset(store, staging, dataset_progress)
     torch.save({int(token): int(count) for token, count in enumerate(counts) if count}, staging / TOKEN_FREQ)
     summary = {"format": "speculators", "store": store_url, "dataset_id": dataset_id, "layers": layers,
-               "target_layer_ids": aux, "samples": len(store), "tokens": int(sum(lengths)),
+               "target_layer_ids": aux, "samples": len(store), "tokens": tokens,
                "hidden_states": "aux layers in target_layer_ids order, then the last layer's state before the "
                                 "final norm (stored state after it / the norm's per-channel gain)",
                "target": store.manifest.get("target", {})}
     (staging / PARTIAL_MARKER).unlink()
     write_text(staging / MARKER, json.dumps(summary, indent=2) + "\n")
     commit_directory(staging, out, replace=True)
-    log.info("wrote %d samples (%d tokens) for speculators to %s", len(store), sum(lengths), out)
-    return FeatureExport(out=out, samples=len(store), tokens=int(sum(lengths)), target_layer_ids=tuple(aux),
+    log.info("wrote %d samples (%d tokens) for speculators to %s", len(store), tokens, out)
+    return FeatureExport(out=out, samples=len(store), tokens=tokens, target_layer_ids=tuple(aux),
                          resumed=resumed)
 
 

@@ -48,6 +48,13 @@ def write_text(path: PathLike, text: str, *, encoding: str = "utf-8", fs: Any = 
     write_bytes(path, text.encode(encoding), fs=fs)
 
 
+def holds_current_folder(path: PathLike) -> bool:
+    """Whether `path` is the current folder or one above it (the filesystem root included): a directory
+    `commit_directory` must never replace (the rename fails with EBUSY, and the work done is lost)."""
+    path, cwd = Path(path).resolve(), Path.cwd().resolve()
+    return path == cwd or path in cwd.parents
+
+
 def commit_directory(staging: PathLike, final: PathLike, *, replace: bool) -> bool:
     """Rename the finished local directory `staging` to `final`, durably: its files and folders are
     fsynced first and the parent after. If `final` exists: with `replace`, it is moved aside, swapped
