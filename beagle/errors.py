@@ -5,6 +5,9 @@ run state that cannot be used is a data error (exit 1). Each also inherits Value
 would naturally catch."""
 from __future__ import annotations
 
+import dataclasses
+import math
+
 
 class BeagleError(ValueError):
     """Base class: something the user gave cannot be used; the message says what and how to fix it."""
@@ -25,9 +28,6 @@ class RunStateError(BeagleError):
 def refuse_non_finite(config: object) -> None:
     """A SettingsError naming the first float field of the dataclass `config` that is nan or inf: range checks
     (`x >= 0`, `x > 0`) let both through (nan compares False, inf passes), and either trains or samples to NaN."""
-    import dataclasses
-    import math
-
     for field in dataclasses.fields(config):  # type: ignore[arg-type]
         value = getattr(config, field.name)
         if isinstance(value, float) and not math.isfinite(value):

@@ -60,10 +60,16 @@ def read_drafter_meta(config_path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def read_weights(weights_path: str | os.PathLike) -> dict[str, Tensor]:
+def read_weights(weights_path: str | os.PathLike, *, check_only: bool = False) -> dict[str, Tensor]:
     """A drafter's model.safetensors, or a one-line ValueError when it is damaged (a bad header, a truncated
-    file): safetensors' own checks, which cover every byte of the header and the file's length."""
+    file): safetensors' own checks, which cover every byte of the header and the file's length. `check_only`:
+    those checks alone (the header is parsed, no tensor is read), returning {}."""
+    from safetensors import safe_open
+
     try:
+        if check_only:
+            with safe_open(str(weights_path), framework="pt"):
+                return {}
         return load_file(str(weights_path))
     except Exception as error:  # safetensors raises its own error types (SafetensorError) for damage
         raise ValueError(f"{weights_path} is not a whole safetensors file ({type(error).__name__}: "

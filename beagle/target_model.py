@@ -133,14 +133,10 @@ def read_head_weights(model_path: str | Path, dtype: str,
     -> `lm_head`), against the model built on the meta device (no memory); a tied head saved once is the
     embedding."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
+    if not sorted(Path(model_path).glob("*.safetensors")):
         return None
-    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    skeleton = _meta_skeleton(model_path, trust_remote_code)
     names: dict[int, list[str]] = {}  # a tied head is one parameter under two names, the embedding's first
     for name, parameter in skeleton.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)
@@ -149,13 +145,10 @@ def read_head_weights(model_path: str | Path, dtype: str,
     for role, module in roles.items():
         for name in names.get(id(getattr(module, "weight", None)), []):
             wanted.setdefault(name, []).append(role)
-    to_model_name = _checkpoint_key_mapper(skeleton)
     located: dict[str, tuple[Path, str]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                for role in wanted.get(to_model_name(key) or "", []):
-                    located.setdefault(role, (path, key))
+    for name, where in _locate_parameters(model_path, skeleton, set(wanted)).items():
+        for role in wanted[name]:
+            located.setdefault(role, where)
     if len(located) < len(roles):
         log.info("%s: the embedding or LM head is not found by name in its safetensors files", model_path)
         return None
@@ -164,6 +157,32 @@ def read_head_weights(model_path: str | Path, dtype: str,
         with safe_open(str(path), framework="pt") as handle:
             head[role] = handle.get_tensor(key).to(torch_dtype(dtype))
     return head if head["lm_head"].shape == head["embed_tokens"].shape else None
+
+
+def _meta_skeleton(model_path: str | Path, trust_remote_code: bool) -> torch.nn.Module:
+    """The target's causal LM built on the meta device (no memory): its parameter names and modules."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _locate_parameters(model_path: str | Path, skeleton: torch.nn.Module,
+                       names: set[str]) -> dict[str, tuple[Path, str]]:
+    """{model parameter name: (safetensors file, checkpoint key)} for those of `names` the folder's safetensors
+    files hold (the first file in name order wins), checkpoint keys mapped as `from_pretrained` maps them."""
+    from safetensors import safe_open
+
+    to_model_name = _checkpoint_key_mapper(skeleton)
+    located: dict[str, tuple[Path, str]] = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                name = to_model_name(key)
+                if name in names:
+                    located.setdefault(name, (path, key))
+    return located
 
 
 def _checkpoint_key_mapper(skeleton: torch.nn.Module):
@@ -242,25 +261,18 @@ def read_final_norm(model_path: str | Path, trust_remote_code: bool = False) -> 
     An EAGLE-3 trainer that takes the verifier's last state *before* that norm (speculators) needs it to
     turn our stored state (after the norm) back into one the norm maps to the same values."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    skeleton = _meta_skeleton(model_path, trust_remote_code)
     found = final_norm_module(skeleton)
     if found is None:
         raise ValueError(f"--model {model_path}: no final norm found under its base model "
                          f"({type(skeleton).__name__}); this export needs the norm the LM head reads through")
     name, norm = found
     wanted = {f"{name}.{parameter}": parameter for parameter, _ in norm.named_parameters()}
-    to_model_name = _checkpoint_key_mapper(skeleton)
     values: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(model_path).glob("*.safetensors")):
+    for full_name, (path, key) in _locate_parameters(model_path, skeleton, set(wanted)).items():
         with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                parameter = wanted.get(to_model_name(key) or "")
-                if parameter is not None:
-                    values[parameter] = handle.get_tensor(key).float()
+            values[wanted[full_name]] = handle.get_tensor(key).float()
     if len(values) == len(wanted) and not list(norm.buffers()):
         norm = norm.to_empty(device="cpu").float()
         norm.load_state_dict(values)

@@ -109,7 +109,7 @@ def export(run, fmt, out_dir, target_dir, speculative_tokens, dtype, embed_token
     from beagle.export import read_drafter_meta, read_weights
 
     meta = read_drafter_meta(drafter_dir / "config.json")
-    read_weights(drafter_dir / "model.safetensors")  # damage is found before any format copies it
+    read_weights(drafter_dir / "model.safetensors", check_only=True)  # damage is found before any format copies it
     if fmt == "native":
         written = export_native(drafter_dir, out_dir, replace=force)
     else:
