@@ -11,7 +11,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",  # tomllib for --config TOML files
     packages=find_packages(include=["pipeline", "pipeline.*", "beagle", "beagle.*", "jobs", "jobs.*"]),
-    # The floors are said once, in pipeline/dependency_floors.py, which `import pipeline` also checks.
+    # The floors are said once, in pipeline/dependency_floors.py, which every command entry point also checks.
     # torch is a runtime requirement as a range; the dev/CI path pins the CPU build (see Makefile).
     install_requires=runpy.run_path("pipeline/dependency_floors.py")["requirements"](),
     extras_require={

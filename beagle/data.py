@@ -2,7 +2,7 @@
 
 The batch plan of an epoch depends only on (seed, epoch), so a resumed run can skip to the batch it
 stopped at without replaying anything. No Ray, no target model: just `pipeline.store.open_store`, read
-as tensors through `beagle.store_tensors`.
+as tensors through `beagle.torch_store`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from beagle.block import add_block_layers, attend_and_mix, project_kv, project_q
 from beagle.data import Batch
 from beagle.losses import LossSums, drafter_loss_sums
 from beagle.model import DrafterConfig, LayerFusion, fuse_key_states, loss_head, register_frozen_head
+from beagle.offline_acceptance import top1_tokens
 
 DRAFTER_TYPE = "eagle2"
 # EAGLE's loss is 1.0·SmoothL1 + 0.1·CE; our losses are CE + regression_weight·SmoothL1 (10 by default).
@@ -35,6 +36,7 @@ class Eagle2Drafter(nn.Module):
 
     drafter_type = DRAFTER_TYPE
     carries_state = True  # each query fuses its parent's state (docs/method.md §7)
+    draft_columns = None
 
     def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
         super().__init__()
@@ -180,3 +182,39 @@ def eagle2_loss(model: Eagle2Drafter, batch: Batch, offset: int, settings, gener
                              loss_head(model), num_depths=1, depth_weights=None,
                              regression_weight=settings.regression_weight, chunk_size=settings.vocab_chunk,
                              scale=LOSS_SCALE, compact=settings.compact_rows)
+
+
+def eagle2_chain_tokens(model: Eagle2Drafter, batch: Batch, depth: int, vocab: Tensor | None = None
+                        ) -> dict[int, Tensor]:
+    """Held-out τ's chains (beagle/offline_acceptance.py) for EAGLE-2, in `beagle_chain_tokens`' layout: at step j
+    every row p drafts depth j for the root n = p - j."""
+    B, L, d = batch.hidden.shape
+    pos = torch.arange(L, device=batch.hidden.device)
+    positions = pos.expand(B, L)
+    true = fuse_key_states(model, batch.key_input(model.config.reads_key_states))                  # [B, L, d]
+    previous = torch.cat([true.new_zeros(B, 1, d), true[:, :-1]], dim=1)
+    true_z = model.fuse(batch.input_ids, previous)
+    k0, v0 = model.project_fused(true_z, positions)
+    keys, values = [k0], [v0]
+    parent = previous
+    per_step = []
+    for step in range(1, depth + 1):
+        z = model.fuse(batch.input_ids, parent)
+        k, v = model.project_fused(z, positions)
+        keys.append(k)
+        values.append(v)
+        blocks = [(pos[None, :] <= pos[:, None] - step) & (pos[None, :] >= 1)]
+        blocks += [pos[None, :] == pos[:, None] - step + i for i in range(1, step + 1)]
+        valid = (pos[None, :] < batch.lengths[:, None]).repeat(1, step + 1)
+        mask = torch.cat(blocks, dim=1)[None, None] & valid[:, None, None, :]          # [B, 1, L, (step+1) L]
+        hidden = model.attend(z, positions, torch.cat(keys, 2), torch.cat(values, 2), mask)  # [B, L, d]
+        per_step.append(top1_tokens(model, hidden, vocab))
+        parent = torch.cat([hidden.new_zeros(B, 1, d), hidden[:, :-1]], dim=1)   # row p's parent: row p-1
+    out = {}
+    for offset in range(depth):
+        tokens = torch.full((B, L), -1, dtype=torch.long, device=pos.device)
+        for step in range(1, depth + 1):
+            rows = torch.arange((offset + step - 1) % depth, L, depth, device=pos.device)
+            tokens[:, rows] = per_step[step - 1][:, rows]
+        out[offset] = tokens
+    return out

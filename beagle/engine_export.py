@@ -9,8 +9,9 @@
   (llama_eagle.py: fc without bias over [emb; h], one Llama layer without input norm, the target's head).
 * native (`export_native`): this project's own RUN/drafter folder, copied.
 
-Whatever an engine would compute differently is refused with a ValueError naming it (an embedding-residual
-Beagle, an fc bias vLLM drops, a draft vocabulary EAGLE cannot hold, a key layer an engine cannot read);
+Which form may be written in which format is its row of beagle/registry.py (`exports`); each writer here checks
+what only it knows. Whatever an engine would compute differently is refused with a ValueError naming it (an fc
+bias vLLM drops, a draft vocabulary EAGLE cannot hold, a key layer an engine cannot read);
 nothing is ever written approximately. Each export is built in a hidden folder next to `out_dir`, fsynced
 and renamed into place (pipeline/store/atomic.py), so a reader sees the whole export or none.
 """
@@ -30,13 +31,13 @@ from safetensors.torch import save
 from torch import Tensor, nn
 
 from beagle.layer_capture import eagle3_aux_layers
-from beagle.export import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
+from beagle.drafter_folder import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
+from beagle.registry import bare_drafter, form_of
 from pipeline.store import atomic
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("eagle3", "eagle3-sglang", "eagle", "native")
-LAYOUTS = ("speculators", "sglang")
+LAYOUTS = {"speculators": "eagle3", "sglang": "eagle3-sglang"}  # EAGLE-3 layout -> its export format
 SGLANG_AUX_LAYERS = 3  # SGLang's LlamaForCausalLMEagle3 fc: Linear(3 * hidden, hidden); vLLM >= 0.32 reads num_aux_hidden_states
 PROVENANCE_NAME = "beagle_export.json"   # what was exported from what; engines ignore it
 SPECULATORS_VERSION = "0.9.0"            # the speculators release whose Eagle3SpeculatorConfig this layout follows
@@ -109,7 +110,7 @@ def target_from_model_dir(path: str | os.PathLike, *, with_head: bool = True) ->
 def target_from_store(url: str) -> EngineTarget:
     """The facts and frozen head a feature store recorded of its target (no verifier path: the store does
     not say where the target lives)."""
-    from beagle.store_tensors import open_store
+    from beagle.torch_store import open_store
 
     store = open_store(url)
     arch = store.manifest["target"]["architecture"]
@@ -135,10 +136,10 @@ def _resolve(drafter: str | os.PathLike | nn.Module, target: EngineTarget,
                                      lm_head=target.lm_head.float())
         if draft_vocab is None:
             draft_vocab = meta.get("draft_vocab")
-    elif hasattr(drafter, "compact_logits"):  # ReducedVocabDrafter: the wrapped drafter and its columns
-        if draft_vocab is None:
-            draft_vocab = drafter.tokens.tolist()
-        drafter = drafter.drafter
+    else:  # a drafter, or a reduced-vocabulary view of one: the drafter and its columns
+        drafter, columns = bare_drafter(drafter)
+        if draft_vocab is None and columns is not None:
+            draft_vocab = columns.tolist()
     c = drafter.config
     if c.vocab_size != target.vocab_size:
         raise ValueError(f"the drafter has vocab_size={c.vocab_size} but the target {target.vocab_size}; "
@@ -252,15 +253,7 @@ def check_eagle3(model: nn.Module, target: EngineTarget, layout: str) -> None:
     """Refuse a drafter that is not exactly one EAGLE-3 layer, or that reads layers the engine cannot give."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; use one of {list(LAYOUTS)}")
-    kind = getattr(model, "drafter_type", None)
-    if kind == "beagle":
-        raise ValueError("an embedding-residual Beagle (drafter_type beagle) has no EAGLE-3 form: its residual "
-                         "stream starts from the query's embedding, EAGLE-3's from the state; train the engine "
-                         "form with `beagle-pipeline train --residual state`")
-    if kind == "eagle2":
-        raise ValueError("an EAGLE-2 drafter is not an EAGLE-3 layer; export it with --format eagle")
-    if kind != "beagle-state":
-        raise ValueError(f"drafter_type {kind!r} has no EAGLE-3 form (only beagle-state does)")
+    form_of(model).export_format(LAYOUTS[layout])  # the form can be one EAGLE-3 layer (its registry row)
     layers = list(model.config.key_layers)
     if max(layers) >= target.num_hidden_layers:
         raise ValueError(f"the drafter reads target layers {layers} but the target has {target.num_hidden_layers} "
@@ -306,12 +299,7 @@ def export_eagle3(drafter: str | os.PathLike | nn.Module, target: EngineTarget, 
 
 def check_eagle(model: nn.Module, vocab: list[int] | None) -> None:
     """Refuse an EAGLE-2 drafter that vLLM's EAGLE (llama_eagle.py) would compute differently."""
-    kind = getattr(model, "drafter_type", None)
-    if kind != "eagle2":
-        hint = " (use --format eagle3)" if kind == "beagle-state" else (
-            "; an embedding-residual Beagle has no engine form: train --residual state for EAGLE-3"
-            if kind == "beagle" else "")
-        raise ValueError(f"--format eagle is the EAGLE-2 baseline's layout; drafter_type {kind!r} has none{hint}")
+    form_of(model).export_format("eagle")  # the form has vLLM's EAGLE layout (its registry row)
     if model.config.key_layers != (-1,):
         raise ValueError(f"the drafter fuses target layers {list(model.config.key_layers)}; vLLM's EAGLE reads "
                          "only the target's last (post-norm) hidden state")
@@ -358,7 +346,7 @@ def export_native(drafter: str | os.PathLike | nn.Module, out_dir: str | os.Path
                     raise ValueError(f"{source} not found; point RUN at a run or its drafter/ folder")
                 atomic.write_bytes(staging / name, source.read_bytes())
         else:
-            save_drafter(staging, getattr(drafter, "drafter", drafter), metadata=metadata or {})
+            save_drafter(staging, bare_drafter(drafter)[0], metadata=metadata or {})
         atomic.write_text(staging / PROVENANCE_NAME, json.dumps(
             {"format": "native", "drafter": str(Path(drafter).resolve()) if is_folder else None}, indent=2) + "\n")
     except BaseException:

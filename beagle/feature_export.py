@@ -154,7 +154,7 @@ def export_speculators(store_url: str, out: str | os.PathLike, *, final_norm: to
 
     `final_norm`: the target's final norm (`beagle.target_model.read_final_norm`); `progress` is called with
     1 per sample written. The caller has verified the store's checksums."""
-    from beagle.store_tensors import open_store
+    from beagle.torch_store import open_store
 
     out = Path(out).resolve()
     check_replaceable(out, force)

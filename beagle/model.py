@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from beagle.block import RMSNorm, SwiGLU, add_block_layers, attend_and_mix, project_kv, project_queries, rotary
+from beagle.registry import RESIDUALS
 from beagle.target_facts import architecture_values
 
-RESIDUALS = ("embedding", "state")
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class LayerFusion(nn.Module):
 
 def fuse_key_states(module: nn.Module, states: Tensor) -> Tensor:
     """True key states of a drafter: [..., n_layers * d] fused to [..., d]; [..., d] as is when unfused."""
-    fusion = getattr(module, "layer_fusion", None)
+    fusion = module.layer_fusion  # every form has one (None: keys read one layer), beagle/registry.py's Drafter
     return states if fusion is None else fusion(states)
 
 
@@ -187,6 +187,7 @@ class BeagleDrafter(nn.Module):
 
     drafter_type = "beagle"
     carries_state = False  # the residual stream starts from the query's embedding, not a fed-in state
+    draft_columns = None   # scores the whole vocabulary (a reduced one is a view, beagle/decoding/draft_vocab.py)
 
     def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
         super().__init__()

@@ -21,9 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from beagle.data import Batch, StoreSet, collate
-from beagle.eagle2 import Eagle2Drafter
 from beagle.losses import GPU_VOCAB_CHUNK
-from beagle.model import fuse_key_states
+from beagle.registry import form_of
 from beagle.stages import StageSettings, simulate
 
 # Rows per LM-head matmul when taking top-1 tokens: bounds the [rows, V] logits of a long batch
@@ -57,12 +56,12 @@ class Acceptance:
         return [a[j] / a[j - 1] if a[j - 1] else 0.0 for j in range(1, len(a))]
 
 
-def _top1(model: nn.Module, hidden: Tensor, vocab: Tensor | None) -> Tensor:
+def top1_tokens(model: nn.Module, hidden: Tensor, vocab: Tensor | None) -> Tensor:
     """Draft top-1 token ids [B, L] from states [B, L, d], over `vocab` [N] only when given."""
     B, L, d = hidden.shape
     if B * L > TOP1_ROWS:
         rows = hidden.reshape(B * L, 1, d)
-        return torch.cat([_top1(model, rows[i:i + TOP1_ROWS].transpose(0, 1), vocab)[0]
+        return torch.cat([top1_tokens(model, rows[i:i + TOP1_ROWS].transpose(0, 1), vocab)[0]
                           for i in range(0, B * L, TOP1_ROWS)]).reshape(B, L)
     if vocab is None:
         return model.logits(hidden).argmax(-1)
@@ -89,50 +88,14 @@ def beagle_chain_tokens(model: nn.Module, batch: Batch, depth: int, vocab: Tenso
     for offset in range(depth):
         tokens = torch.full(batch.input_ids.shape, -1, dtype=torch.long, device=batch.input_ids.device)
         for _, q_pos, (hidden,) in simulate(model, batch, offset, settings):
-            tokens[:, q_pos] = _top1(model, hidden, vocab)
-        out[offset] = tokens
-    return out
-
-
-def eagle2_chain_tokens(model: Eagle2Drafter, batch: Batch, depth: int, vocab: Tensor | None = None
-                        ) -> dict[int, Tensor]:
-    """Same layout for EAGLE-2: at step j every row p drafts depth j for the root n = p - j."""
-    B, L, d = batch.hidden.shape
-    pos = torch.arange(L, device=batch.hidden.device)
-    positions = pos.expand(B, L)
-    true = fuse_key_states(model, batch.key_input(model.config.reads_key_states))                  # [B, L, d]
-    previous = torch.cat([true.new_zeros(B, 1, d), true[:, :-1]], dim=1)
-    true_z = model.fuse(batch.input_ids, previous)
-    k0, v0 = model.project_fused(true_z, positions)
-    keys, values = [k0], [v0]
-    parent = previous
-    per_step = []
-    for step in range(1, depth + 1):
-        z = model.fuse(batch.input_ids, parent)
-        k, v = model.project_fused(z, positions)
-        keys.append(k)
-        values.append(v)
-        blocks = [(pos[None, :] <= pos[:, None] - step) & (pos[None, :] >= 1)]
-        blocks += [pos[None, :] == pos[:, None] - step + i for i in range(1, step + 1)]
-        valid = (pos[None, :] < batch.lengths[:, None]).repeat(1, step + 1)
-        mask = torch.cat(blocks, dim=1)[None, None] & valid[:, None, None, :]          # [B, 1, L, (step+1) L]
-        hidden = model.attend(z, positions, torch.cat(keys, 2), torch.cat(values, 2), mask)  # [B, L, d]
-        per_step.append(_top1(model, hidden, vocab))
-        parent = torch.cat([hidden.new_zeros(B, 1, d), hidden[:, :-1]], dim=1)   # row p's parent: row p-1
-    out = {}
-    for offset in range(depth):
-        tokens = torch.full((B, L), -1, dtype=torch.long, device=pos.device)
-        for step in range(1, depth + 1):
-            rows = torch.arange((offset + step - 1) % depth, L, depth, device=pos.device)
-            tokens[:, rows] = per_step[step - 1][:, rows]
+            tokens[:, q_pos] = top1_tokens(model, hidden, vocab)
         out[offset] = tokens
     return out
 
 
 def chain_tokens(model: nn.Module, batch: Batch, depth: int, vocab: Tensor | None = None) -> dict[int, Tensor]:
-    """The drafted chains of any drafter form, in `beagle_chain_tokens`' layout."""
-    chains = eagle2_chain_tokens if isinstance(model, Eagle2Drafter) else beagle_chain_tokens
-    return chains(model, batch, depth, vocab)
+    """The drafted chains of any drafter form, in `beagle_chain_tokens`' layout (the form's `offline_chain`)."""
+    return form_of(model).chain_tokens()(model, batch, depth, vocab)
 
 
 @torch.no_grad()

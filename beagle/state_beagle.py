@@ -30,6 +30,7 @@ class StateBeagleDrafter(nn.Module):
 
     drafter_type = DRAFTER_TYPE
     carries_state = True
+    draft_columns = None
 
     def __init__(self, config: DrafterConfig, embed_tokens: Tensor, lm_head: Tensor) -> None:
         super().__init__()

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from beagle.errors import SettingsError, refuse_non_finite
+from beagle.registry import FORM_OPTIONS, form_for, refuse_unhonoured_options
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")  # `train --lr-schedule`: what follows the linear warm-up
-DRAFTERS = ("beagle", "eagle2")  # `train --drafter`: each resolves to a form of beagle.registry by form_for (with residual="state" beagle is beagle-state); said here, not there, so that `train --help` loads no model code
-RESIDUALS = ("embedding", "state")
 
 
 @dataclass(frozen=True)
@@ -64,18 +63,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         refuse_non_finite(self)
+        try:  # the drafter form, and the form-specific options it takes: its row of beagle/registry.py
+            refuse_unhonoured_options(form_for(self.drafter, self.residual),
+                                      {name: getattr(self, name) for name in FORM_OPTIONS})
+        except SettingsError as error:
+            raise SettingsError(f"invalid training config: {error}") from None
         checks = [
-            (self.drafter in DRAFTERS, f"drafter={self.drafter!r} must be one of {list(DRAFTERS)}"),
-            (self.residual in RESIDUALS, f"residual={self.residual!r} must be one of {list(RESIDUALS)}"),
-            (self.residual == "embedding" or self.drafter == "beagle",
-             f"residual={self.residual!r} is a Beagle form; drafter={self.drafter!r} has its own input"),
-            (self.key_layers is None or self.residual == "state",
-             "key_layers chooses the keys of a state-residual drafter (residual='state'); the embedding form "
-             "takes -1, or every captured layer with fuse_layers"),
-            (not self.query_state or self.residual == "state",
-             "query_state (queries that also read the previous state) needs residual='state'"),
-            (not (self.fuse_layers and self.residual == "state"),
-             "fuse_layers is implied by residual='state' (it always fuses its key layers); drop it"),
             (self.window_size >= 1, "window_size must be >= 1"),
             (1 <= self.simulation_steps <= self.window_size,
              f"simulation_steps={self.simulation_steps} must lie in 1..window_size ({self.window_size})"),

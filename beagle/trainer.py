@@ -26,7 +26,7 @@ from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from beagle.data import Batch, Loader, StoreSet, fingerprint, plan_epoch
 from beagle.devices import pick_device
 from beagle.errors import RunStateError
-from beagle.export import save_drafter
+from beagle.drafter_folder import save_drafter
 from beagle.losses import LossResult, LossSums
 from beagle.model import DrafterConfig, restrict_loss_vocabulary
 from beagle.precision import autocast, keep_frozen_head_in, training_dtype
@@ -172,7 +172,7 @@ def _start_run(stores: list[str], run_dir: Path, config: TrainConfig, *, resume:
     """Open the stores, check or create the run directory, build the drafter and its optimizer, and
     restore the latest checkpoint when resuming."""
     data = StoreSet(stores, cache_dir=cache_dir, verify=verify_store, fuse_layers=config.fuse_layers,
-                    key_layers=config.key_layers, aux_keys=config.residual == "state",
+                    key_layers=config.key_layers, aux_keys=form_for(config.drafter, config.residual).keys == "aux",
                     verify_share=(ctx.rank, ctx.world_size))
     checkpoint = latest_checkpoint(run_dir) if resume else None
     config = _check_run_dir(run_dir, config.for_world_size(ctx.world_size), data, resume=resume,

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from beagle.data import Batch, StoreSet, collate
-from beagle.export import load_drafter
+from beagle.drafter_folder import load_drafter
 from beagle.model import BeagleDrafter
 from beagle.offline_acceptance import beagle_chain_tokens, store_acceptance
 

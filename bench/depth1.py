@@ -30,7 +30,7 @@ from bench.acceptance import beagle_depth1_predictor, bigram_predictor, depth1_a
 from bench.common import emit, record  # noqa: E402
 from bench.layers import _train, score  # noqa: E402
 from beagle.data import StoreSet, collate  # noqa: E402
-from beagle.export import load_drafter  # noqa: E402
+from beagle.drafter_folder import load_drafter  # noqa: E402
 
 
 def mean_state(store: str, limit: int, samples: int = 64) -> torch.Tensor:

@@ -154,7 +154,7 @@ def stage_epochs(store: Path, size: PeerSize) -> tuple[int, int]:
     """Stage-1 and stage-2 epochs whose batches cover `size.steps` at the demo's 2:1 split (8 and 4 epochs
     there), so that `--max-steps` ends our run inside stage 2 rather than before it."""
     from beagle.data import plan_epoch
-    from beagle.store_tensors import open_store
+    from beagle.torch_store import open_store
 
     lengths = open_store(str(store)).lengths
     per_epoch = len(plan_epoch(lengths, batch_tokens=size.batch_tokens, limit=size.max_length, seed=0, epoch=0))

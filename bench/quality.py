@@ -24,10 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.acceptance import score_drafter  # noqa: E402
+from beagle.registry import form_for  # noqa: E402
 from bench.common import cli, emit, record  # noqa: E402
 from beagle.data import StoreSet  # noqa: E402
-from beagle.store_tensors import open_store  # noqa: E402
-from pipeline.extract.store_tensors import write_store  # noqa: E402
+from beagle.torch_store import open_store  # noqa: E402
+from pipeline.extract.state_encoding import write_store  # noqa: E402
 
 
 def _bytes(url: str) -> int:
@@ -61,8 +62,9 @@ def train(store: str, out: str, drafter: str, steps: int, batch_tokens: int, max
     """Train through the CLI for `steps` (stage 1 only for Beagle), lr 1e-3, the draft vocabulary;
     `extra` flags are appended (bench/layers.py adds --fuse-layers, bench/depth1.py --window-size)."""
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time: `train` refuses to reuse a run folder
+    simulates = form_for(drafter, "embedding").simulates  # a teacher-forced form has no stage 2 of its own
     cli("train", "--store", store, "--out", out, "--drafter", drafter, "--max-steps", str(steps),
-        "--stage1-epochs", "1000", "--stage2-epochs", "0" if drafter == "eagle2" else "1000",
+        "--stage1-epochs", "1000", "--stage2-epochs", "1000" if simulates else "0",
         "--batch-tokens", str(batch_tokens), "--max-length", str(max_length), "--lr", "1e-3",
         "--warmup-steps", "10", "--draft-vocab", str(DRAFT_VOCAB), "--device", "cpu", "--no-progress", *extra)
     return f"{out}/drafter"

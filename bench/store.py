@@ -27,8 +27,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from beagle.store_tensors import open_store
-from pipeline.extract.store_tensors import write_store
+from beagle.torch_store import open_store
+from pipeline.extract.state_encoding import write_store
 
 
 def synthetic_samples(num_tokens: int, width: int, seed: int = 0):

@@ -34,7 +34,7 @@ from beagle.train_config import TrainConfig  # noqa: E402
 from beagle.trainer import build_optimizer  # noqa: E402
 from bench.common import emit, record  # noqa: E402
 from bench.profiling import count_saved_bytes  # noqa: E402
-from pipeline.extract.store_tensors import write_store  # noqa: E402
+from pipeline.extract.state_encoding import write_store  # noqa: E402
 
 PRESETS = {
     "smollm2": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

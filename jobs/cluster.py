@@ -5,6 +5,8 @@ import logging
 
 import click
 
+from pipeline.dependency_floors import refuse_old_dependencies
+
 
 def run_joined(command: click.Command, argv: list[str], prog_name: str) -> None:
     """Run `command` with `argv`, joining the job's cluster (`--address auto`) unless told otherwise.
@@ -12,6 +14,7 @@ def run_joined(command: click.Command, argv: list[str], prog_name: str) -> None:
     Inside a Ray job the driver runs on the head node with RAY_ADDRESS set, so the command joins that
     cluster and never starts a local Ray. `-v` turns on INFO logs.
     """
+    refuse_old_dependencies()
     args = list(argv)
     if "--address" not in args:
         args += ["--address", "auto"]

@@ -1,5 +1,5 @@
-"""beagle-pipeline's application layer and feature store (`pipeline.store`). Importing it checks that no
-installed dependency is older than the code needs (pipeline/dependency_floors.py)."""
-from pipeline.dependency_floors import check_floors
+"""beagle-pipeline's application layer and feature store (`pipeline.store`).
 
-check_floors()
+Importing it runs nothing: the dependency check (pipeline/dependency_floors.py) runs at the command entry
+points (`beagle-pipeline`, `jobs/*.py`, `python -m pipeline.commands.train`), never in a library import or a
+Ray worker."""

@@ -11,6 +11,8 @@ import logging
 
 import click
 
+from pipeline.dependency_floors import refuse_old_dependencies
+
 # name -> "module:attribute" of a click.Command. Kept in one table so `--help` lists them all.
 _COMMANDS: dict[str, str] = {
     "prepare-demo": "pipeline.demo.cli:prepare_demo",
@@ -61,5 +63,6 @@ def main(verbose: int) -> None:
       beagle-pipeline train --store STORE --out RUN
       beagle-pipeline eval --model TARGET --drafter RUN/drafter --prompts question.jsonl
     """
+    refuse_old_dependencies()
     level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

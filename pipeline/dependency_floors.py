@@ -69,3 +69,11 @@ def check_floors() -> None:
     problems = too_old()
     if problems:
         raise ImportError("; ".join(problems))
+
+
+def refuse_old_dependencies() -> None:
+    """The command entry points' check: a dependency older than its floor stops the command with one line
+    naming the fix (exit status 1), before any work. Libraries and Ray workers never pay for it."""
+    problems = too_old()
+    if problems:
+        raise SystemExit("error: " + "; ".join(problems))

@@ -7,7 +7,7 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
-from beagle.export import save_drafter
+from beagle.drafter_folder import save_drafter
 from beagle.prompts import load_prompts, render
 from pipeline.cli import main
 from pipeline.jobkit.target import load_tokenizer

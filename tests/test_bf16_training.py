@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from beagle.decoding import DraftConfig, plain_generate, speculative_generate
-from beagle.export import load_drafter
+from beagle.drafter_folder import load_drafter
 from beagle.precision import cpu_has_native_bf16, training_dtype
 from beagle.train_config import TrainConfig
 from beagle.trainer import train

@@ -1,5 +1,6 @@
 """The dependency floors are said once (pipeline/dependency_floors.py): setup.py installs from them, and
-importing `pipeline` refuses an installed package older than its floor with one line naming the fix."""
+every command entry point refuses an installed package older than its floor with one line naming the fix, while
+importing the library (as a Ray worker does) pays for no check."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -38,12 +39,24 @@ def test_an_older_transformers_is_named_with_its_floor_and_the_fix():
     assert set(FLOORS) >= {"torch", "transformers", "zarr", "blake3", "ml_dtypes"}
 
 
-def test_importing_pipeline_with_an_old_dependency_fails_at_once_with_one_line():
-    code = ("import importlib.metadata as m\n"
-            "real = m.version\n"
-            "m.version = lambda name: '4.45.0' if name == 'transformers' else real(name)\n"
-            "import pipeline.store\n")
+_OLD_TRANSFORMERS = ("import importlib.metadata as m\n"
+                     "real = m.version\n"
+                     "m.version = lambda name: '4.45.0' if name == 'transformers' else real(name)\n")
+
+
+def test_a_command_with_an_old_dependency_fails_at_once_with_one_line():
+    code = _OLD_TRANSFORMERS + "from pipeline.cli import main\nmain(['info', '--help'])\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode != 0
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: transformers 4.45.0 is older than beagle-pipeline needs"), out.stderr
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: transformers 4.45.0 is older than beagle-pipeline needs"), \
+        out.stderr
+
+
+def test_a_job_entry_point_checks_too_and_a_library_import_does_not():
+    job = _OLD_TRANSFORMERS + "import sys; sys.argv = ['jobs/extract.py', '--help']\nfrom jobs.extract import main\nmain()\n"
+    out = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 1 and "transformers 4.45.0 is older" in out.stderr, out.stderr
+    library = _OLD_TRANSFORMERS + "import pipeline.store, beagle.registry\nprint('imported')\n"
+    out = subprocess.run([sys.executable, "-c", library], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr

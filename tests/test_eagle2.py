@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from beagle.data import Batch, StoreSet, collate
 from beagle.eagle2 import Eagle2Drafter, Eagle2KeyCache, causal_mask, eagle2_loss
-from beagle.export import load_drafter
+from beagle.drafter_folder import load_drafter
 from beagle.model import DrafterConfig
 from beagle.stages import StageSettings
 from pipeline.commands.train import train as train_command

@@ -21,7 +21,7 @@ from beagle.decoding.drafters import draft_backend
 from beagle.eagle2 import Eagle2Drafter
 from beagle.engine_export import (EAGLE3_NAMES, EngineTarget, export_eagle, export_eagle3, export_native,
                                   target_from_model_dir)
-from beagle.export import save_drafter
+from beagle.drafter_folder import save_drafter
 from beagle.model import BeagleDrafter, DrafterConfig
 from beagle.state_beagle import StateBeagleDrafter
 from pipeline.cli import main as cli_main
@@ -479,7 +479,7 @@ def test_damaged_or_foreign_drafter_folders_are_refused_in_one_line(target, targ
     """A flipped header byte, a truncated weights file (which `--format native` used to copy with rc 0), an
     engine export given back as RUN, a config.json that is not an object: one line naming the file and the
     fix, never a traceback, and nothing written."""
-    from beagle.export import load_drafter
+    from beagle.drafter_folder import load_drafter
 
     runner = CliRunner()
     good = _run_dir(tmp_path / "good", _state_drafter(target))
@@ -514,7 +514,7 @@ def test_damaged_or_foreign_drafter_folders_are_refused_in_one_line(target, targ
 
 
 def test_native_export_of_a_loaded_drafter_reloads(target, tmp_path):
-    from beagle.export import load_drafter
+    from beagle.drafter_folder import load_drafter
 
     model = _state_drafter(target)
     export_native(model, tmp_path / "native", metadata={"note": "test"})
@@ -524,7 +524,7 @@ def test_native_export_of_a_loaded_drafter_reloads(target, tmp_path):
 
 
 def test_cli_takes_the_head_and_facts_from_the_training_store_without_target(tmp_path):
-    from beagle.store_tensors import open_store
+    from beagle.torch_store import open_store
     from tests.tiny_store import build_tiny_store
 
     store = build_tiny_store(tmp_path / "store", num_samples=2, layers=(0, 1))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from beagle.export import save_drafter
+from beagle.drafter_folder import save_drafter
 from beagle.prompts import PromptItem, eos_token_ids, load_prompts, render
 from pipeline.cli import main
 from tests.decoding_helpers import bigram_drafter, chat_tokenizer_dir, random_drafter, tiny_target, write_jsonl

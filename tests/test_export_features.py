@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from beagle.feature_export import aux_layers_of, check_norm_inverse, export_speculators, norm_gain
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 from beagle.target_model import read_final_norm
 from pipeline.cli import main as cli
 from tests.test_engine_export import _speculators_venv

@@ -9,7 +9,7 @@ from pipeline.extract.actor import ShardExtractor
 from beagle.layer_capture import normalize_layers
 from pipeline.extract.forward import ForwardConfig, TargetForward, plan_batches, states_to_host
 from pipeline.jobkit.target import target_fingerprint
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 from pipeline.store import begin_store, commit_manifest, committed_shards, compute_dataset_id, store_identity
 from tests.tiny import build_target
 
@@ -129,7 +129,7 @@ def test_shard_actor_works_without_ray_on_a_hand_built_shard(tmp_path, target, s
 def test_a_tied_lm_head_is_stored_as_its_own_tensor(tmp_path):
     from safetensors.torch import load_file
 
-    from pipeline.extract.store_tensors import write_head
+    from pipeline.extract.state_encoding import write_head
     forward = TargetForward(ForwardConfig(str(build_target(tmp_path / "tied", tied=True)), dtype="float32"))
     head = forward.head()
     assert head["lm_head"].data_ptr() != head["embed_tokens"].data_ptr()

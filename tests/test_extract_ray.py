@@ -21,7 +21,7 @@ from pipeline.extract.chat import tokenize_record
 from pipeline.jobkit.target import load_tokenizer
 from pipeline.extract.inputs import Record
 from pipeline.extract.pipeline import ExtractConfig, run_extract
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 from pipeline.store import StoreConflictError, committed_shards, verify_store
 from pipeline.store.hashing import entry_checksum
 from tests.local_ray import local_ray

@@ -14,12 +14,12 @@ import torch
 
 from beagle.data import StoreSet, collate
 from beagle.decoding import DraftConfig, plain_generate, speculative_generate
-from beagle.export import load_drafter
+from beagle.drafter_folder import load_drafter
 from beagle.model import BeagleDrafter, DrafterConfig
 from beagle.stages import StageSettings, stage1_loss
 from beagle.train_config import TrainConfig
 from beagle.trainer import train
-from pipeline.extract.store_tensors import write_store
+from pipeline.extract.state_encoding import write_store
 from tests.tiny_store import build_tiny_store, tiny_target
 
 VOCAB, WIDTH, LENGTH, CODE_NORM = 32, 64, 32, 8.0

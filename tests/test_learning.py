@@ -18,7 +18,7 @@ from beagle.data import Batch, StoreSet, collate
 from beagle.masks import depth, stage1_mask
 from beagle.model import BeagleDrafter, DrafterConfig
 from beagle.stages import StageSettings, stage1_loss, stage2_loss
-from pipeline.extract.store_tensors import write_store
+from pipeline.extract.state_encoding import write_store
 
 VOCAB, WIDTH, LENGTH = 32, 64, 32
 CODE_NORM = 8.0                 # |A[t]| = |B[t]|: target logit 8 on t_{i+1}, 0 elsewhere (p ~ 0.99)

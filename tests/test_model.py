@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from beagle.export import load_drafter, save_drafter
+from beagle.drafter_folder import load_drafter, save_drafter
 from beagle.model import BeagleDrafter, DrafterConfig
 
 ARCH = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": None,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 from pipeline.cli import main as cli_main
 from pipeline.store import StoreFormatError, verify_store
 from tests.small_fs import mounted_small_tmpfs

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 from pipeline.store import committed_shards, verify_store
 from tests.local_ray import local_ray
 from tests.small_fs import mounted_small_tmpfs

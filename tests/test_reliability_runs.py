@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from beagle.export import save_drafter
+from beagle.drafter_folder import save_drafter
 from pipeline.cli import main as cli_main
 from tests.decoding_helpers import bigram_drafter, chat_tokenizer_dir, tiny_target, write_jsonl
 

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from pipeline.commands.train import train as train_command
 from pipeline.cli import main as cli_main
-from beagle.store_tensors import open_store
-from pipeline.extract.store_tensors import write_store
+from beagle.torch_store import open_store
+from pipeline.extract.state_encoding import write_store
 from pipeline.store import StoreError, StoreFormatError, verify_store
 from tests.tiny_store import _architecture, _sequences, tiny_target
 

@@ -98,7 +98,7 @@ def test_two_jobs_into_one_s3_store_the_second_is_refused_and_deletes_nothing(s3
     import s3fs
     import torch
 
-    from pipeline.extract.store_tensors import write_shard
+    from pipeline.extract.state_encoding import write_shard
     from pipeline.store import StoreConflictError
     from pipeline.store.writer import store_lock, write_store
     from tests.test_store import build, make_samples

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from beagle.data import StoreSet, collate
 from beagle.decoding import DraftConfig, plain_generate, speculative_generate
 from beagle.decoding.drafters import StateBeagleBackend, draft_backend
-from beagle.export import load_drafter
+from beagle.drafter_folder import load_drafter
 from beagle.model import DrafterConfig
 from beagle.registry import form_for, form_of
 from beagle.stages import StageSettings, simulate, stage1_loss, window_anchor_states
@@ -223,19 +223,28 @@ def test_state_form_settings_are_checked_with_the_fix(tmp_path):
         DrafterConfig(**SHAPE, key_layers=(1, -1), residual="state")
     with pytest.raises(ValueError, match="ascending"):
         DrafterConfig(**SHAPE, key_layers=(1, 0), residual="state")
-    with pytest.raises(ValueError, match="Beagle form"):
+    with pytest.raises(ValueError, match="--drafter eagle2 takes --residual embedding"):
         TrainConfig(drafter="eagle2", residual="state")
-    with pytest.raises(ValueError, match="residual='state'"):
+    with pytest.raises(ValueError, match="--key-layers .* does not apply to drafter form beagle; it is for "
+                                         "`--drafter beagle --residual state`"):
         TrainConfig(key_layers=(1,))
+    with pytest.raises(ValueError, match="--fuse-layers .* does not apply to drafter form beagle-state"):
+        TrainConfig(residual="state", fuse_layers=True)
+    with pytest.raises(ValueError, match="--query-state .* does not apply to drafter form eagle2"):
+        TrainConfig(drafter="eagle2", query_state=True)
     last_only = build_tiny_store(tmp_path / "last", num_samples=4)
     with pytest.raises(ValueError, match=r"residual stream entering decoder layers.*--layers"):
         StoreSet([last_only], aux_keys=True)
 
 
-def test_every_train_drafter_choice_resolves_to_a_registered_form():
-    """`train --drafter` offers train_config.DRAFTERS; each must name a form of the one registry."""
-    from beagle.registry import FORMS
-    from beagle.train_config import DRAFTERS, RESIDUALS
+def test_every_form_is_trained_by_its_own_flags_and_its_class_agrees_with_its_row():
+    """`train --drafter/--residual` select each form of the one registry, and what a row declares of its
+    class (drafter_type, residual, carries_state) is what the class says."""
+    from beagle.registry import FORMS, RESIDUALS, resolve, train_drafters
 
-    assert {form_for(drafter, "embedding").name for drafter in DRAFTERS} | {form_for("beagle", "state").name} == set(FORMS)
-    assert "state" in RESIDUALS
+    assert {form_for(*form.train_as).name for form in FORMS.values()} == set(FORMS)
+    assert set(train_drafters()) == {"beagle", "eagle2"} and set(RESIDUALS) == {"embedding", "state"}
+    for form in FORMS.values():
+        cls = resolve(form.model)
+        assert (cls.drafter_type, cls.carries_state, cls.draft_columns) == (form.name, form.carries_state, None)
+        assert form.train_as[1] == form.residual and set(form.exports) >= {"native"}

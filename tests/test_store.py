@@ -13,8 +13,8 @@ import pytest
 import torch
 import zarr
 
-from beagle.store_tensors import open_store
-from pipeline.extract.store_tensors import write_shard, write_store
+from beagle.torch_store import open_store
+from pipeline.extract.state_encoding import write_shard, write_store
 from pipeline.store import (StoreConflictError, StoreError, StoreFormatError, StoreNotFoundError, begin_store,
                             committed_shards, compute_dataset_id, store_identity, verify_store)
 

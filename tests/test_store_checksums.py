@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 from pipeline.store import StoreError, StoreFormatError, verify_store
 from pipeline.store.hashing import entry_checksum
 from pipeline.store.merge import merge_stores

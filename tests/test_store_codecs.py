@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.extract.store_tensors import encode_codes
+from pipeline.extract.state_encoding import encode_codes
 from pipeline.store import StoreFormatError, open_store, verify_store
 from pipeline.store import format as fmt
 from tests.test_store import build, make_samples

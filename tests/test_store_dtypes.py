@@ -12,8 +12,8 @@ import torch
 import zarr
 import zarr.storage
 
-import beagle.store_tensors as store_tensors
-from pipeline.extract.store_tensors import encode_codes, fp8_encode, head_payload
+import beagle.torch_store as torch_store
+from pipeline.extract.state_encoding import encode_codes, fp8_encode, head_payload
 from pipeline.store import StoreFormatError, open_store, write_store
 from pipeline.store import format as fmt
 from pipeline.store import fp8
@@ -53,14 +53,14 @@ def test_states_are_typed_zero_copy_views_with_the_right_values(tmp_path, dtype)
 
 def test_torch_reads_stay_zero_copy_and_bit_exact(tmp_path):
     url, samples = _store(tmp_path, "bfloat16")
-    store = store_tensors.open_store(url)
+    store = torch_store.open_store(url)
     shard = store.store._shards[0]
     hidden = store[1]["hidden_states"]
     assert hidden.dtype == torch.bfloat16 and torch.equal(hidden, samples[1]["hidden_states"])
     offset = int(shard.table["token_offset"][1]) * HIDDEN * 2
     assert hidden.data_ptr() == shard.hidden[0].ctypes.data + offset
     codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
-    as_torch = store_tensors.as_tensor(codes)
+    as_torch = torch_store.as_tensor(codes)
     assert as_torch.dtype == torch.float8_e4m3fn and as_torch.data_ptr() == codes.ctypes.data
 
 

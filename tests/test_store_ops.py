@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from beagle.store_tensors import open_store
+from beagle.torch_store import open_store
 from pipeline.store import StoreConflictError, verify_store
 from pipeline.store import writer as store_writer
 from pipeline.store.merge import merge_stores

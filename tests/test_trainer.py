@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from beagle.data import StoreSet, collate
-from beagle.export import load_drafter
+from beagle.drafter_folder import load_drafter
 from beagle.model import BeagleDrafter, DrafterConfig
 from pipeline.commands.train import train as train_command
 from beagle.train_config import TrainConfig, load_config_file

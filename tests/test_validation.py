@@ -176,7 +176,7 @@ def test_validation_lines_survive_a_resume_and_match_an_uninterrupted_run(store,
 def test_the_trainers_tau_is_the_bench_estimators_on_the_held_out_samples(tmp_path):
     """The last validation's acceptance equals the offline chain of the exported drafter over the held-out
     samples (bench's path: one sample per batch, fp32 store head), on a store small enough to accept drafts."""
-    from beagle.export import load_drafter
+    from beagle.drafter_folder import load_drafter
 
     url = build_tiny_store(tmp_path / "s8", num_samples=12, min_len=10, max_len=30, vocab_size=8)
     config = TrainConfig(**{**FAST, "stage1_epochs": 20, "max_steps": 40, "val_samples": 4, "eval_every": 40})

@@ -32,7 +32,7 @@ from beagle.decoding.generate import plain_generate
 from beagle.prompts import render
 from pipeline.extract.chat import tokenizer_fingerprint
 from pipeline.jobkit.target import target_fingerprint
-from pipeline.extract.store_tensors import write_store
+from pipeline.extract.state_encoding import write_store
 from tests.tiny import VOCAB_SIZE, build_tokenizer
 
 # max_position_embeddings: bench/serve_vllm.py asks vLLM for max_model_len 2048, which must fit.

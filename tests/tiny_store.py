@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.extract.store_tensors import write_store
+from pipeline.extract.state_encoding import write_store
 
 TINY_ARCH = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=300, max_position_embeddings=256,

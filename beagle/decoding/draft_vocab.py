@@ -88,14 +88,15 @@ def _with_draft_vocabulary(drafter: nn.Module, meta: dict, size: int | None, sto
 
 
 class ReducedVocabDrafter(nn.Module):
-    """A drafter (Beagle or EAGLE-2) whose logits are computed for `tokens` only; every other token
-    gets -inf."""
+    """A view of any drafter form whose logits are computed for `tokens` only (every other token gets -inf).
+
+    It composes rather than forwards: whatever it does not define itself (the form's decoding interface, its
+    config, `drafter_type`, `carries_state`, `layer_fusion`) is the wrapped drafter's own attribute, so a new
+    form needs nothing here. `draft_columns` (the Drafter protocol, beagle/registry.py) names its columns."""
 
     def __init__(self, drafter: nn.Module, tokens: Tensor) -> None:
         super().__init__()
         self.drafter = drafter
-        self.config = drafter.config
-        self.layer_fusion = getattr(drafter, "layer_fusion", None)  # shared: fused keys fuse as the drafter does
         self.register_buffer("tokens", tokens.to(drafter.lm_head.device), persistent=False)
         # The subset's rows of the LM head [N, d], in the drafter's dtype, as a frozen linear layer (which
         # decoding may pack for the CPU's bf16 units, beagle/decoding/packed_linear.py).
@@ -103,47 +104,24 @@ class ReducedVocabDrafter(nn.Module):
         self.head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
         self.head.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
 
-    def project_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return self.drafter.project_keys(states, positions)
-
-    def project_true_keys(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return self.drafter.project_true_keys(states, positions)
-
-    def forward_hidden(self, input_ids, positions, k, v, attn_mask, residual=None) -> Tensor:
-        return self.drafter.forward_hidden(input_ids, positions, k, v, attn_mask, residual)
-
-    def head_input(self, hidden: Tensor) -> Tensor:
-        return self.drafter.head_input(hidden)
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # its own parameters, buffers and modules
+        except AttributeError:
+            return getattr(super().__getattr__("drafter"), name)
 
     @property
-    def drafter_type(self) -> str:
-        return self.drafter.drafter_type
-
-    @property
-    def carries_state(self) -> bool:
-        return self.drafter.carries_state
-
-    # The engine-form Beagle's decoding interface (see beagle/state_beagle.py).
-    def fuse_true_states(self, states: Tensor) -> Tensor:
-        return self.drafter.fuse_true_states(states)
-
-    # The EAGLE-2 baseline's decoding interface (see beagle/eagle2.py).
-    def draft_step(self, *args, **kwargs):
-        return self.drafter.draft_step(*args, **kwargs)
-
-    def fuse(self, tokens: Tensor, previous_states: Tensor) -> Tensor:
-        return self.drafter.fuse(tokens, previous_states)
-
-    def project_fused(self, z: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return self.drafter.project_fused(z, positions)
+    def draft_columns(self) -> Tensor:
+        """[N]: the token id of each column `compact_logits` returns."""
+        return self.tokens
 
     def compact_logits(self, hidden: Tensor) -> Tensor:
         """[B, Lq, d] -> [B, Lq, N]: logits of the subset, column j for token `tokens[j]`."""
-        return self.head(self.head_input(hidden).to(self.head.weight.dtype))
+        return self.head(self.drafter.head_input(hidden).to(self.head.weight.dtype))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """[B, Lq, d] -> [B, Lq, V], scored on the subset only (every other token -inf)."""
         subset = self.compact_logits(hidden)  # [B, Lq, N]
-        full = subset.new_full((*subset.shape[:-1], self.config.vocab_size), float("-inf"))
+        full = subset.new_full((*subset.shape[:-1], self.drafter.config.vocab_size), float("-inf"))
         full[..., self.tokens] = subset
         return full

@@ -19,17 +19,10 @@ import torch
 from beagle.decoding.kv_cache import DraftKeyCache, StateKeyCache
 
 
-def scored_columns(drafter: torch.nn.Module) -> torch.Tensor | None:
-    """The token id of each logit column a backend returns: the draft vocabulary `[N]` of a drafter that
-    scores one (`ReducedVocabDrafter`), else None (column = token id, the whole vocabulary)."""
-    return drafter.tokens if hasattr(drafter, "compact_logits") else None
-
-
 def _scored_logits(drafter: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """`[B, q, N]` logits over the drafter's draft vocabulary (`[B, q, V]` without one): drafting ranks and
     normalises over N columns, never over a V-wide row of -inf (at a 262k vocabulary that was most of a round)."""
-    compact = getattr(drafter, "compact_logits", None)
-    return compact(hidden) if compact is not None else drafter.logits(hidden)
+    return drafter.logits(hidden) if drafter.draft_columns is None else drafter.compact_logits(hidden)
 
 
 class _CachedBackend:
@@ -41,7 +34,7 @@ class _CachedBackend:
     def __init__(self, drafter: torch.nn.Module, cache) -> None:
         self.drafter = drafter
         self.cache = cache
-        self.token_ids = scored_columns(drafter)
+        self.token_ids = drafter.draft_columns  # [N] or None: the token id of each logit column
 
     def append(self, states: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """True states `[L, n_layers * d]` of the tokens `[L]` at `positions` `[L]`, as the target produced them."""
@@ -120,7 +113,8 @@ class StateBeagleBackend(_CachedBackend):
 
 
 def draft_backend(drafter: torch.nn.Module, concatenate: bool = True):
-    """The backend of a drafter's form (beagle/registry.py), by its `drafter_type`."""
+    """The backend of a drafter's form (beagle/registry.py), by its `drafter_type`; `concatenate=False` is
+    refused for a form that always feeds drafted states back."""
     from beagle.registry import form_of
 
-    return form_of(drafter).backend(drafter, concatenate)
+    return form_of(drafter).decoding_backend(drafter, concatenate)

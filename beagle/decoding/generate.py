@@ -103,7 +103,7 @@ class SpeculativeSession:
         self.draft_cache = self.backend.cache
         self.token: int | None = None
         self._drafter_dtype = next(drafter.parameters()).dtype
-        self._key_layers = tuple(getattr(getattr(drafter, "config", None), "key_layers", (-1,)))
+        self._key_layers = tuple(drafter.config.key_layers)
 
     def prefill(self, prompt_ids: torch.Tensor) -> int:
         """Run the prompt `[P]` through the target, seed the drafter's cache, return the first new token."""

@@ -10,7 +10,7 @@ import torch
 from beagle.decoding.verify import check_supported
 from beagle.devices import torch_dtype
 from beagle.errors import InputError
-from beagle.export import CONFIG_NAME, load_drafter, read_drafter_meta
+from beagle.drafter_folder import CONFIG_NAME, load_drafter, read_drafter_meta
 from beagle.target_facts import facts_from_config, read_target_facts
 from beagle.target_model import TargetSpec, check_weights_match, weights_sha256
 

@@ -131,6 +131,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     from beagle.decoding.loading import load_drafter_for, load_target
     from beagle.devices import pick_device
     from beagle.prompts import eos_token_ids, load_prompts
+    from beagle.registry import form_of
     from beagle.target_model import TargetSpec
 
     if draft_vocab:
@@ -151,6 +152,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     model, tokenizer = load_target(TargetSpec(model_path, dtype, trust_remote_code), device=torch_device)
     drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device,
                                      allow_other_weights=allow_other_target_weights)
+    form_of(drafter).check_decoding(config.concatenate)  # --no-concat only where the form can draft that way
     eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
     if draft_vocab and not draft_vocab_store:
         _check_stores(list(meta.get("stores") or []))  # the training stores it will count tokens in

@@ -8,14 +8,8 @@ from pathlib import Path
 import click
 
 from beagle.devices import DTYPES
+from beagle.registry import EXPORT_FORMATS
 from pipeline.commands.errors import reports_errors
-
-SERVE_HINTS = {
-    "eagle3": 'vLLM: speculative_config={{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {k}}}',
-    "eagle3-sglang": "SGLang: --speculative-algorithm EAGLE3 --speculative-draft-model-path {out}",
-    "eagle": 'vLLM: speculative_config={{"method": "eagle", "model": "{out}", "num_speculative_tokens": {k}}}',
-    "native": "beagle-pipeline eval --drafter {out}",
-}
 
 
 def _drafter_folder(run: Path) -> tuple[Path, dict]:
@@ -68,9 +62,8 @@ def _store_identity(url: str) -> str:
 @click.command("export")
 @click.argument("run", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--format", "fmt", default="eagle3", show_default=True,
-              type=click.Choice(["eagle3", "eagle3-sglang", "eagle", "native"]),
-              help="eagle3: speculators layout (vLLM, speculators); eagle3-sglang: SGLang/SpecForge layout; "
-                   "eagle: vLLM's EAGLE layout for the EAGLE-2 baseline; native: this project's own folder.")
+              type=click.Choice(list(EXPORT_FORMATS)),
+              help="; ".join(f"{f.name}: {f.summary}" for f in EXPORT_FORMATS.values()) + ".")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="The folder to write (built aside and renamed into place).")
 @click.option("--target", "target_dir", default=None, type=click.Path(exists=True, file_okay=False),
@@ -103,24 +96,18 @@ def export(run, fmt, out_dir, target_dir, speculative_tokens, dtype, embed_token
     layer the engine cannot read. See docs/engine-export.md.
     """
     from beagle.devices import torch_dtype
-    from beagle.engine_export import export_eagle, export_eagle3, export_native
+    from beagle.drafter_folder import read_drafter_meta, read_weights
+    from beagle.registry import form_named, resolve
 
     drafter_dir, run_config = _drafter_folder(run)
-    from beagle.export import read_drafter_meta, read_weights
-
     meta = read_drafter_meta(drafter_dir / "config.json")
+    form = form_named(meta.get("drafter_type"), where=f"{drafter_dir / 'config.json'}: drafter_type")
+    export_format = form.export_format(fmt)  # the form's row says which formats it can be written in
     read_weights(drafter_dir / "model.safetensors", check_only=True)  # damage is found before any format copies it
-    if fmt == "native":
-        written = export_native(drafter_dir, out_dir, replace=force)
-    else:
-        target = _target(target_dir, meta, run_config)
-        if fmt == "eagle":
-            written = export_eagle(drafter_dir, target, out_dir, embed_tokens=embed_tokens,
-                                   dtype=torch_dtype(dtype), replace=force)
-        else:
-            written = export_eagle3(drafter_dir, target, out_dir,
-                                    layout="speculators" if fmt == "eagle3" else "sglang",
-                                    embed_tokens=embed_tokens, speculative_tokens=speculative_tokens,
-                                    dtype=torch_dtype(dtype), replace=force)
-    click.echo(f"exported {meta.get('drafter_type', 'beagle')} drafter {drafter_dir} as {fmt} to {written}")
-    click.echo("  serve with " + SERVE_HINTS[fmt].format(out=written, k=speculative_tokens))
+    options = {"embed_tokens": embed_tokens, "dtype": torch_dtype(dtype), "speculative_tokens": speculative_tokens}
+    options = {name: options[name] for name in export_format.takes} | export_format.fixed
+    destination = (drafter_dir, _target(target_dir, meta, run_config), out_dir) if export_format.needs_target \
+        else (drafter_dir, out_dir)
+    written = resolve(export_format.writer)(*destination, replace=force, **options)
+    click.echo(f"exported {form.name} drafter {drafter_dir} as {fmt} to {written}")
+    click.echo("  serve with " + export_format.serve_hint.format(out=written, k=speculative_tokens))

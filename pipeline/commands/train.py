@@ -14,7 +14,8 @@ from typing import Any
 import click
 
 from beagle.errors import SettingsError
-from beagle.train_config import DRAFTERS, LR_SCHEDULES, RESIDUALS, TrainConfig, load_config_file
+from beagle.registry import RESIDUALS, train_drafters
+from beagle.train_config import LR_SCHEDULES, TrainConfig, load_config_file
 from pipeline.commands.errors import reports_errors
 from pipeline.commands.options import override_option
 
@@ -41,6 +42,21 @@ def _layer_list(value: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(f"{value!r}: give comma-separated layer indices, e.g. 2,15,27") from None
 
 
+class _DrafterChoice(click.Choice):
+    """`--drafter`'s choices, read from beagle/registry.py when asked (a form added to the table is offered)."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+    @property
+    def choices(self) -> list[str]:
+        return train_drafters()
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns it; the table is the one list
+        pass
+
+
 def _config_option(name: str, *decls: str, help: str, **kwargs: Any):
     return override_option(TrainConfig, name, *decls, help=help, **kwargs)
 
@@ -52,8 +68,10 @@ def _config_option(name: str, *decls: str, help: str, **kwargs: Any):
               help="Run directory: metrics, checkpoints, drafter/ export, curves.png.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="TOML or JSON file with TrainConfig keys; flags given here override it.")
-@_config_option("drafter", "--drafter", type=click.Choice(list(DRAFTERS)),
-                help="Drafter to train: beagle, or the EAGLE-2 baseline (all epochs teacher-forced).")
+@_config_option("drafter", "--drafter", type=_DrafterChoice(),
+                help="Drafter to train, a form of beagle/registry.py with --residual: beagle (the paper's "
+                     "Beagle; with --residual state its engine form), or eagle2, the EAGLE-2 baseline (all epochs "
+                     "teacher-forced).")
 @_config_option("stage1_epochs", "--stage1-epochs", type=int, help="Epochs of stage 1 (block attention).")
 @_config_option("stage2_epochs", "--stage2-epochs", type=int, help="Epochs of stage 2 (training-time simulation).")
 @_config_option("max_steps", "--max-steps", type=int, help="Stop after this many optimizer steps in total.")
@@ -196,4 +214,7 @@ def _train_on_ray(stores: list[str], run_dir: str, config: TrainConfig, num_work
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node N -m pipeline.commands.train --store ... --out ...
+    from pipeline.dependency_floors import refuse_old_dependencies
+
+    refuse_old_dependencies()
     train()

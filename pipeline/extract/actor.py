@@ -79,7 +79,7 @@ class ShardExtractor:
 
     def _ensure_head(self) -> None:
         from pipeline.store import format as fmt
-        from pipeline.extract.store_tensors import write_head
+        from pipeline.extract.state_encoding import write_head
 
         fs, root = fmt.open_fs(self.store_url)
         if not fs.exists(fmt.join(root, fmt.HEAD)):
@@ -92,7 +92,7 @@ class ShardExtractor:
         Returns {"shard_index", "info": the committed shard's info, or {"os_error": {errno, strerror,
         filename}}, "seconds": forward + write, "forward_seconds", "spans": [forward start, forward end,
         committed] (time.time()), "pid", "node"}."""
-        from pipeline.extract.store_tensors import write_shard
+        from pipeline.extract.state_encoding import write_shard
 
         with self._forward_lock:  # one forward at a time on the device; the other thread writes meanwhile
             forward_started = time.time()

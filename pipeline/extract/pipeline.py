@@ -401,7 +401,7 @@ def _head_from_files(config: ExtractConfig, prepared: Prepared) -> dict:
 def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str, dict],
                   summary: ExtractSummary, rejects: list[dict], shards: list[dict], batch_tokens: int | None) -> None:
     """Write what the shards do not hold (the head, the rejects), then the manifest that makes it a store."""
-    from pipeline.extract.store_tensors import write_head
+    from pipeline.extract.state_encoding import write_head
     from pipeline.store import commit_manifest, write_rejects
     from pipeline.store import format as fmt
 

@@ -130,14 +130,14 @@ def storage_view(values: Any, logical: str) -> np.ndarray:
     given = f"{want} {kind}" if typed == want else f"{name} or their {want} {kind}"
     raise StoreFormatError(
         f"{logical} hidden states must be {given} "
-        f"(got {array.dtype}); write torch tensors through pipeline.extract.store_tensors")
+        f"(got {array.dtype}); write torch tensors through pipeline.extract.state_encoding")
 
 
 def to_storage_array(values: np.ndarray, logical: str) -> np.ndarray:
     """Check and cast a numpy array to the exact bytes a store keeps for `logical` dtype.
 
     bf16 arrives as ml_dtypes.bfloat16 or as its uint16 bit pattern (viewed, never rounded); the torch side
-    (`pipeline.extract.store_tensors`) makes that view, so the store itself never needs torch.
+    (`pipeline.extract.state_encoding`) makes that view, so the store itself never needs torch.
     """
     if logical in LOSSY_DTYPES:
         raise StoreFormatError(f"{logical} states are encoded with their scales by the writer, not here")

@@ -2,7 +2,7 @@
 
 Stored bits follow the OCP float8 e4m3fn encoding (no infinities; 0x7F/0xFF are NaN). Decoding uses a
 256-entry table, so a reader needs numpy only. Encoding rounds with torch, which the producer already has, so it
-lives on the producer's side (`pipeline.extract.store_tensors.fp8_encode`): the store never imports torch.
+lives on the producer's side (`pipeline.extract.state_encoding.fp8_encode`): the store never imports torch.
 Per-token scales keep each token's largest value at the top of e4m3's range (448), so a few outlier
 dimensions cost precision only within their own token.
 """

@@ -8,7 +8,7 @@
   for int8 against 0.9997+ for e4m3.
 
 Decoding needs numpy only; encoding rounds with torch on the producer's side
-(`pipeline.extract.store_tensors`), so the store never imports torch.
+(`pipeline.extract.state_encoding`), so the store never imports torch.
 """
 from __future__ import annotations
 

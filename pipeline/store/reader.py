@@ -195,7 +195,7 @@ class _Shard:
 class FeatureStore:
     """A complete, read-only feature store. `store[i]` gives one sample as numpy arrays.
 
-    The store never imports torch; `beagle.store_tensors` gives the same samples and head as torch tensors.
+    The store never imports torch; `beagle.torch_store` gives the same samples and head as torch tensors.
     """
 
     def __init__(self, url: str, *, check_files: bool = True, cache_dir: str | None = None,

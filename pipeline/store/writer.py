@@ -160,7 +160,7 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
 
     samples: dicts of numpy arrays: `sample_id` (str), `input_ids` [L], `loss_mask` [L], `hidden_states`
     [n_layers, L, d] in storage form (bf16 as its uint16 bit pattern; for float8_e4m3, the uint8 codes plus
-    `hidden_scales` float32 [n_layers, L]). Torch callers go through `pipeline.extract.store_tensors`.
+    `hidden_scales` float32 [n_layers, L]). Torch callers go through `pipeline.extract.state_encoding`.
     Safe to call from many processes at once as long as each shard index has one writer.
     """
     if not samples:
@@ -269,7 +269,7 @@ def _coded_arrays(sample: Mapping[str, Any], dtype: str, label: str) -> tuple[np
     """The codes and per-token scales of an already encoded sample of a lossy dtype (fp8, int8)."""
     if "hidden_scales" not in sample:
         raise StoreFormatError(f"{label}: {dtype} samples need `hidden_scales` beside the codes; encode them "
-                               "with pipeline.extract.store_tensors.encode_codes")
+                               "with pipeline.extract.state_encoding.encode_codes")
     try:  # fp8: ml_dtypes.float8_e4m3fn (what readers return) or its uint8 bytes; int8: int8
         codes = fmt.storage_view(sample["hidden_states"], dtype)
     except StoreFormatError as error:
@@ -342,7 +342,7 @@ def _check_committed_shard(fs: Any, root: str, shard_dir: str) -> tuple[dict | N
 def write_head_bytes(url: str, payload: bytes) -> None:
     """Store the frozen target weights the drafter reuses, as the bytes of a safetensors file.
 
-    The torch side serialises them (`pipeline.extract.store_tensors.write_head`), so the store stays
+    The torch side serialises them (`pipeline.extract.state_encoding.write_head`), so the store stays
     torch-free while the file keeps its format (docs/store-format.md)."""
     fs, root = fmt.open_fs(url)
     atomic.write_bytes(fmt.join(root, fmt.HEAD), bytes(payload), fs=fs)
