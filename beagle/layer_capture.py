@@ -48,8 +48,11 @@ def eagle3_aux_layers(num_layers: int) -> list[int]:
 def default_capture_layers(num_layers: int) -> list[int]:
     """What `extract` stores when `--layers` is not given: EAGLE-3's aux layers, which key the engine form
     (`train --residual state`) and every EAGLE-3 export, plus -1, the state the LM head reads, which the
-    paper form keys on and every form's loss targets. One store then trains every form we ship."""
-    return [*eagle3_aux_layers(num_layers), -1]
+    paper form keys on and every form's loss targets. One store then trains every form we ship (each form's
+    row of beagle/registry.py says what it keys on)."""
+    from beagle.registry import capture_layers
+
+    return capture_layers(None, num_layers)
 
 
 def normalize_layers(layers: Sequence[int], num_layers: int) -> list[int]:

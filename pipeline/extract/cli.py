@@ -21,6 +21,19 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
         raise click.BadParameter(f"{value!r}: give comma-separated integers, e.g. -1 or 4,8,-1") from None
 
 
+def _forms(value: str | None) -> tuple[str, ...] | None:
+    """`--layers-for a,b`: drafter forms of beagle/registry.py, each checked (a usage error names them all)."""
+    if value is None:
+        return None
+    from beagle.registry import FORMS
+
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    unknown = [name for name in names if name not in FORMS]
+    if unknown or not names:
+        raise click.BadParameter(f"{value!r}: name drafter forms, comma-separated, of {', '.join(FORMS)}")
+    return names
+
+
 @click.command("extract")
 @click.option("--model", "model_path", required=True, type=click.Path(),
               help="Local directory of the target (transformers format). The hub is never used.")
@@ -34,6 +47,10 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
                    "one store trains every form (the paper's Beagle keys on -1; train --residual state and every "
                    "EAGLE-3 export, SGLang's included, key on the three aux layers). Each layer costs d x 2 bytes "
                    "per token in bf16 (docs/extract.md). Comma-separated.")
+@click.option("--layers-for", default=None, callback=lambda ctx, param, value: _forms(value), metavar="FORMS",
+              help="Instead of --layers: capture what these drafter forms need, comma-separated (beagle, "
+                   "beagle-state, eagle2: their rows in beagle/registry.py), e.g. `--layers-for beagle` stores -1 "
+                   "alone. [every form]")
 @default_option(ExtractConfig, "max_length", "--max-length", type=click.IntRange(min=1),
                 help="Truncate samples at this many tokens.")
 @default_option(ExtractConfig, "dtype", "--dtype", type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
@@ -70,7 +87,8 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
 @click.option("--dry-run", is_flag=True, help="Tokenize only; print token count and estimated store size.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code shipped in the model directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int, ...], max_length: int,
+def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int, ...],
+            layers_for: tuple[str, ...] | None, max_length: int,
             dtype: str, store_dtype: str | None, compression: str, batch_tokens: int | None, num_workers: int | None, num_gpus_per_worker: float,
             device_map: str | None, address: str | None, limit: int | None, max_record_bytes: int,
             max_turns: int, samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
@@ -86,7 +104,8 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
     if not dry_run:
         quiet_ray_loggers()
 
-    config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, max_length=max_length,
+    config = ExtractConfig(model_path=model_path, data=tuple(data), out=out, layers=layers, layers_for=layers_for,
+                           max_length=max_length,
                            dtype=dtype, store_dtype=store_dtype, compression=compression,
                            batch_tokens=batch_tokens, num_workers=num_workers,
                            num_gpus_per_worker=num_gpus_per_worker, device_map=device_map, address=address,

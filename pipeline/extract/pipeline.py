@@ -25,7 +25,9 @@ from typing import Any, Iterator
 
 from beagle.devices import torch_dtype
 from beagle.host_memory import peak_rss_mib
-from beagle.layer_capture import default_capture_layers, normalize_layers
+from beagle.errors import SettingsError
+from beagle.layer_capture import normalize_layers
+from beagle.registry import capture_layers
 from beagle.records import DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_TURNS, check_data_path
 from beagle.target_facts import read_target_facts
 from beagle.target_model import TargetSpec, check_weights_match, weight_files
@@ -57,7 +59,8 @@ class ExtractConfig:
     model_path: str
     data: tuple[str, ...]
     out: str
-    layers: tuple[int, ...] | None = None  # None: default_capture_layers (EAGLE-3's aux layers + -1), per model
+    layers: tuple[int, ...] | None = None  # None: what layers_for's forms need (EAGLE-3's aux layers + -1 for all)
+    layers_for: tuple[str, ...] | None = None  # drafter forms the store must train (beagle/registry.py); None: all
     max_length: int = 2048
     dtype: str = "bfloat16"  # the target's dtype, and the stored one unless store_dtype says otherwise
     store_dtype: str | None = None  # None: dtype; "float8_e4m3" or "int8": one byte a value plus a scale a token
@@ -130,7 +133,9 @@ def prepare(config: ExtractConfig) -> Prepared:
     facts = read_target_facts(config.model_path, trust_remote_code=config.trust_remote_code)
     check_weights_match(config.model_path, facts.hidden_size, facts.vocab_size, facts.num_hidden_layers)
     n = facts.num_hidden_layers
-    layers = normalize_layers(config.layers if config.layers is not None else default_capture_layers(n), n)
+    if config.layers is not None and config.layers_for is not None:
+        raise SettingsError("--layers and --layers-for both choose the captured layers; give one")
+    layers = normalize_layers(config.layers if config.layers is not None else capture_layers(config.layers_for, n), n)
     tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
     scan = scan_inputs(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes,
                        max_turns=config.max_turns)
