@@ -34,6 +34,7 @@ from bench.common import emit, record, require_demo  # noqa: E402
 from bench.layers import _extract, _split_conversations, score  # noqa: E402
 from bench.quality import train  # noqa: E402
 from beagle.data import StoreSet, plan_epoch  # noqa: E402
+from beagle.registry import form_for  # noqa: E402
 
 LAST_ONLY = ("beagle-last", "beagle-state-last", "beagle-state-query-last", "eagle2-last")
 
@@ -101,7 +102,7 @@ def main() -> None:
                 continue
             key = f"{name}@{steps}"
             if key not in done:
-                flags = [*extra, *(split if drafter == "beagle" else [])]
+                flags = [*extra, *(split if form_for(drafter, "embedding").simulates else [])]  # stage-2 split
                 path = Path(train(str(work / "train-store"), str(work / f"run-{name}-{steps}"), drafter, steps,
                                   batch_tokens, max_length, *flags))
                 tau, alphas = score(path, work / "held-out-store", head, max_length)

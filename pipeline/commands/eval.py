@@ -131,11 +131,16 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     from beagle.decoding.loading import load_drafter_for, load_target
     from beagle.devices import pick_device
     from beagle.prompts import eos_token_ids, load_prompts
-    from beagle.registry import form_of
+    from beagle.drafter_folder import CONFIG_NAME, read_drafter_meta
+    from beagle.registry import form_named
     from beagle.target_model import TargetSpec
 
     if draft_vocab:
         _check_stores(list(draft_vocab_store))  # before loading any model: fail fast on a bad store
+    drafter_config = Path(drafter_dir) / CONFIG_NAME
+    if drafter_config.is_file():  # before loading the target: the form's row says which drafting it can do
+        form_named(read_drafter_meta(drafter_config).get("drafter_type"),
+                   where=f"{drafter_config}: drafter_type").check_decoding(not no_concat)
     config = (DraftConfig.chain(depth, temperature, not no_concat, min_confidence) if chain else
               DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
                           concatenate=not no_concat, min_confidence=min_confidence))
@@ -152,7 +157,6 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     model, tokenizer = load_target(TargetSpec(model_path, dtype, trust_remote_code), device=torch_device)
     drafter, meta = load_drafter_for(drafter_dir, model, drafter_dtype or dtype, torch_device,
                                      allow_other_weights=allow_other_target_weights)
-    form_of(drafter).check_decoding(config.concatenate)  # --no-concat only where the form can draft that way
     eos = eos_token_ids(tokenizer, getattr(model, "generation_config", None))
     if draft_vocab and not draft_vocab_store:
         _check_stores(list(meta.get("stores") or []))  # the training stores it will count tokens in
