@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench.acceptance import chain_acceptance
-from beagle.offline_acceptance import eagle2_chain_tokens
+from beagle.eagle2 import eagle2_chain_tokens
 from bench.common import record
 from bench.run_all import BEGIN, END, render, write_docs
 from beagle.data import StoreSet, collate

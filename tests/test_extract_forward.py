@@ -158,3 +158,28 @@ def test_the_default_capture_is_eagle3_s_aux_layers_and_the_head_s_state():
     assert default_capture_layers(32) == [2, 16, 29, -1] and default_capture_layers(2) == [1, -1]
     for n in range(1, 40):
         assert normalize_layers(default_capture_layers(n), n) == default_capture_layers(n)
+
+
+def test_layers_for_captures_what_the_named_forms_rows_need(tmp_path):
+    """`extract --layers-for FORMS`: -1 alone for the forms keyed on the last state, EAGLE-3's aux layers too for
+    the engine form (its row's `keys`), the default for all; with --layers it is refused."""
+    from beagle.errors import SettingsError
+    from beagle.layer_capture import default_capture_layers
+    from pipeline.extract.pipeline import ExtractConfig, prepare
+    from tests.tiny import build_target
+
+    target = build_target(tmp_path / "target")
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n')
+
+    def layers(**choice):
+        return prepare(ExtractConfig(model_path=str(target), data=(str(data),), out=str(tmp_path / "s"),
+                                     **choice)).layers
+
+    n = 2  # tests/tiny.py's depth
+    assert layers(layers_for=("beagle",)) == layers(layers_for=("eagle2", "beagle")) == [-1]
+    assert layers(layers_for=("beagle-state",)) == layers() == default_capture_layers(n)
+    with pytest.raises(SettingsError, match="--layers and --layers-for"):
+        layers(layers=(-1,), layers_for=("beagle",))
+    with pytest.raises(ValueError, match="--layers-for='nope' is not a drafter form"):
+        layers(layers_for=("nope",))
