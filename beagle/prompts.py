@@ -10,6 +10,7 @@ is evaluated and self-distilled.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,15 @@ class PromptItem:
     history: tuple[dict[str, str], ...]  # messages before the first asked turn (system prompt, earlier turns)
     turns: tuple[str, ...]               # user messages, asked in order; for a text item, its one text
     text: bool = False                   # a `{"text": ...}` continuation prompt (no chat template)
+    group: str | None = None             # the record's value of the field results are grouped by (eval --by)
+
+
+def group_of(obj: Any, field: str | None) -> str | None:
+    """A record's value of `field` (MT-Bench's `category`, say) as a group name; None when it has none."""
+    if field is None or not isinstance(obj, dict):
+        return None
+    value = obj.get(field)
+    return None if value is None or isinstance(value, (dict, list)) else str(value)
 
 
 def prompt_item(obj: Any, default_id: str) -> PromptItem:
@@ -60,8 +70,9 @@ class LoadedPrompts:
 
 
 def load_prompts(path: str | Path, limit: int | None = None, *, skip_rejects: bool = False,
-                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> LoadedPrompts:
-    """Read a prompt file of any input format; `limit` keeps the first N usable items.
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, group_by: str | None = None) -> LoadedPrompts:
+    """Read a prompt file of any input format; `limit` keeps the first N usable items; `group_by` names the
+    record field each item's `group` is read from.
 
     A record that is not a usable prompt raises `InputError` naming the file, the record and the reason,
     or with `skip_rejects` is set aside in `rejects` (eval reports them and goes on with the rest)."""
@@ -73,7 +84,8 @@ def load_prompts(path: str | Path, limit: int | None = None, *, skip_rejects: bo
         try:
             if unreadable is not None:
                 raise unreadable
-            items.append(prompt_item(obj, f"{path.name}:{index}"))
+            item = prompt_item(obj, f"{path.name}:{index}")
+            items.append(dataclasses.replace(item, group=group_of(obj, group_by)) if group_by else item)
         except RejectRecord as reject:
             if not skip_rejects:
                 raise InputError(f"--prompts {where}: {reject.reason} ({reject.detail}); expected MT-Bench "

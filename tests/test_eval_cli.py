@@ -263,3 +263,37 @@ def test_eval_reads_a_parquet_prompt_file_and_reports_the_records_it_skips(setup
     assert "skipped 1 prompt record(s) that cannot be asked (no_user_turn 1)" in result.output
     report = json.loads((tmp_path / "e.json").read_text())
     assert report["num_prompts"] == 2 and [r["index"] for r in report["rejected_prompts"]] == [1]
+
+
+def test_eval_reports_by_category_with_attempts_and_draws_the_chart(setup):
+    """`--by category` (the default): τ, α per depth with attempts and speedup per MT-Bench category, the
+    records without one as their own group; the groups' counts add up to the total; a chart beside --json."""
+    root, prompts, _ = setup
+    out = root / "by"
+    result = CliRunner().invoke(main, [
+        "eval", "--model", str(root / "target"), "--drafter", str(root / "run" / "drafter"), "--prompts",
+        str(prompts), "--max-new-tokens", "16", "--chain", "--depth", "3", "--json", str(out / "eval.json"),
+        "--plot", str(out / "depths.png"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "eval.json").read_text())
+    groups = report["by"]["groups"]
+    assert report["by"]["field"] == "category" and list(groups) == ["writing", "math", "(no group)"]
+    assert [g["prompts"] for g in groups.values()] == [1, 1, 2]
+    for key in ("target_passes",):
+        assert sum(g[key] for g in groups.values()) == report[key]["speculative"]
+    for depth, total in enumerate(report["per_depth_attempts"]):
+        assert sum(g["per_depth_attempts"][depth] for g in groups.values() if g["per_depth_attempts"]) == total
+    assert report["per_depth_few_attempts"] == [0 < n < report["few_attempts"] for n in report["per_depth_attempts"]]
+    lines = result.output.splitlines()
+    by = lines.index(next(line for line in lines if line.startswith("by category")))
+    assert [line.split()[0] for line in lines[by + 1:by + 4]] == ["writing", "math", "(no"]
+    assert "(n=" in lines[by + 1] and "*" in result.output  # every α has its attempts; a handful is marked rough
+    assert (out / "eval-by-category.png").stat().st_size > 1000 and (out / "depths.png").stat().st_size > 1000
+
+    result = CliRunner().invoke(main, [
+        "eval", "--model", str(root / "target"), "--drafter", str(root / "run" / "drafter"), "--prompts",
+        str(prompts), "--max-new-tokens", "8", "--chain", "--depth", "2", "--by", "", "--json",
+        str(out / "flat.json"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "flat.json").read_text())["by"] is None and "by category" not in result.output
+    assert not (out / "flat-by-.png").exists()

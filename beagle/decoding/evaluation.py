@@ -7,6 +7,8 @@ Measures:
 * α_j (per-depth acceptance): of the rounds that tried a draft at depth j (the depth j-1 token was
   accepted and had children), the fraction where the target accepted one.
 * tokens/s of each side over all answers (prefill included), and their ratio, the speedup.
+Each is reported over all prompts and per group (`PromptItem.group`: MT-Bench's category, a code or a math
+set), and every α comes with its count of attempts: a rate over fewer than FEW_ATTEMPTS is marked as rough.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from beagle.host_memory import peak_rss_mib
 from beagle.prompts import TEXT_ROLE, PromptItem, render
 
 logger = logging.getLogger(__name__)
+
+FEW_ATTEMPTS = 20        # an α over fewer attempts is shown, marked, but is no rate to compare drafters by
+UNGROUPED = "(no group)"  # the group of a prompt whose record lacks the grouping field
 
 
 @dataclass
@@ -51,6 +56,46 @@ class Totals:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def acceptance_length(speculative: Totals) -> float:
+    """τ: tokens committed per target verification pass, bonus included."""
+    return speculative.committed / speculative.passes if speculative.passes else 0.0
+
+
+def per_depth_acceptance(speculative: Totals) -> list[float | None]:
+    return [accepted / tried if tried else None
+            for tried, accepted in zip(speculative.depth_attempts, speculative.depth_accepts)]
+
+
+def speedup(baseline: Totals, speculative: Totals) -> float:
+    base = baseline.tokens_per_second
+    return speculative.tokens_per_second / base if base > 0 else 0.0
+
+
+def rates_json(baseline: Totals, speculative: Totals) -> dict:
+    """τ, α per depth with its attempts (and which rates are over few of them), tokens/s and the speedup."""
+    attempts = list(speculative.depth_attempts)
+    return {"acceptance_length": acceptance_length(speculative),
+            "per_depth_acceptance": per_depth_acceptance(speculative),
+            "per_depth_attempts": attempts,
+            "per_depth_few_attempts": [0 < tried < FEW_ATTEMPTS for tried in attempts],
+            "target_passes": speculative.passes,
+            "tokens_per_second": {"baseline": baseline.tokens_per_second,
+                                  "speculative": speculative.tokens_per_second},
+            "speedup": speedup(baseline, speculative)}
+
+
+@dataclass
+class GroupTotals:
+    """Both sides' totals over the prompts of one group."""
+
+    prompts: int = 0
+    baseline: Totals = field(default_factory=Totals)
+    speculative: Totals = field(default_factory=Totals)
+
+    def to_json(self) -> dict:
+        return {"prompts": self.prompts, **rates_json(self.baseline, self.speculative)}
+
+
 @dataclass
 class EvalSummary:
     """What `eval` prints and writes with `--json`."""
@@ -64,28 +109,29 @@ class EvalSummary:
     peak_memory_mb: dict[str, float]
     answers: list[dict] = field(default_factory=list)
     answers_compared: int = 0  # greedy answers compared token for token (every turn of every prompt)
+    group_field: str | None = None                                  # what the prompts were grouped by
+    groups: dict[str, GroupTotals] = field(default_factory=dict)    # in order of first appearance
 
     @property
     def acceptance_length(self) -> float:
-        return self.speculative.committed / self.speculative.passes if self.speculative.passes else 0.0
+        return acceptance_length(self.speculative)
 
     @property
     def per_depth_acceptance(self) -> list[float | None]:
-        return [accepted / tried if tried else None
-                for tried, accepted in zip(self.speculative.depth_attempts, self.speculative.depth_accepts)]
+        return per_depth_acceptance(self.speculative)
 
     @property
     def speedup(self) -> float:
-        base = self.baseline.tokens_per_second
-        return self.speculative.tokens_per_second / base if base > 0 else 0.0
+        return speedup(self.baseline, self.speculative)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether any prompt carried the grouping field (else the groups say nothing the total does not)."""
+        return any(name != UNGROUPED for name in self.groups)
 
     def to_json(self) -> dict:
         return {
-            "acceptance_length": self.acceptance_length,
-            "per_depth_acceptance": self.per_depth_acceptance,
-            "tokens_per_second": {"baseline": self.baseline.tokens_per_second,
-                                  "speculative": self.speculative.tokens_per_second},
-            "speedup": self.speedup,
+            **rates_json(self.baseline, self.speculative),
             "outputs_match": not self.mismatches,
             "mismatches": self.mismatches,
             "answers_compared": self.answers_compared,
@@ -97,6 +143,9 @@ class EvalSummary:
             "draft": {"depth": self.config.depth, "top_k": self.config.top_k,
                       "total_tokens": self.config.total_tokens, "temperature": self.config.temperature,
                       "concatenate": self.config.concatenate},
+            "few_attempts": FEW_ATTEMPTS,
+            "by": ({"field": self.group_field, "groups": {name: group.to_json() for name, group in self.groups.items()}}
+                   if self.grouped else None),
         }
 
 
@@ -125,8 +174,9 @@ def _conversation(model, tokenizer, item: PromptItem, max_new_tokens, eos_ids, c
 def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config: DraftConfig,
                      max_new_tokens: int, eos_ids: set[int], seed: int = 0,
                      progress: Callable[[Iterable], Iterable] = lambda items: items,
-                     keep_answers: bool = False) -> EvalSummary:
-    """Answer every prompt twice, plain then speculative, and compare (greedy outputs must be identical)."""
+                     keep_answers: bool = False, group_field: str | None = None) -> EvalSummary:
+    """Answer every prompt twice, plain then speculative, and compare (greedy outputs must be identical).
+    Totals are kept per `PromptItem.group` too (`group_field`: the record field the groups came from)."""
     device = next(model.parameters()).device
     # Warm-up (allocator, kernels, lazy init) so that neither side pays first-call costs in the timings.
     warm = PromptItem("warm-up", items[0].history, items[0].turns[:1], items[0].text)
@@ -138,15 +188,20 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
     mismatches: list[str] = []
     answers: list[dict] = []
     compared = 0
+    groups: dict[str, GroupTotals] = {}
     for index, item in enumerate(progress(items)):
+        group = groups.setdefault(UNGROUPED if item.group is None else item.group, GroupTotals())
+        group.prompts += 1
         per_side = {}
-        for name, side, totals in (("baseline", None, baseline), ("speculative", drafter, speculative)):
+        for name, side, totals, in_group in (("baseline", None, baseline, group.baseline),
+                                             ("speculative", drafter, speculative, group.speculative)):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             per_side[name] = _conversation(model, tokenizer, item, max_new_tokens, eos_ids, config,
                                            seed + 1000 * index, device, side)
             for result in per_side[name]:
                 totals.add(result)
+                in_group.add(result)
             peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_rss_mib()
             peaks[name] = max(peaks[name], peak)
         for turn, (plain, spec) in enumerate(zip(per_side["baseline"], per_side["speculative"])):
@@ -164,4 +219,4 @@ def evaluate_prompts(model, drafter, tokenizer, items: list[PromptItem], config:
         peaks = {"process_peak_rss": peak_rss_mib()}
     return EvalSummary(baseline=baseline, speculative=speculative, mismatches=mismatches, num_prompts=len(items),
                        max_new_tokens=max_new_tokens, config=config, peak_memory_mb=peaks, answers=answers,
-                       answers_compared=compared)
+                       answers_compared=compared, group_field=group_field, groups=groups)

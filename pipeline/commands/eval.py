@@ -10,6 +10,7 @@ import click
 
 from beagle.devices import DTYPES
 from beagle.decoding.tree import DraftConfig
+from pipeline.commands.acceptance_plots import plot_acceptance, plot_groups
 from pipeline.commands.errors import reports_errors
 from pipeline.commands.options import default_option
 from pipeline.jobkit.rejects import count_reasons, format_reasons
@@ -19,34 +20,23 @@ HALF_DTYPES = ("bfloat16", "float16")  # where greedy equality is reported, not 
 logger = logging.getLogger(__name__)
 
 
-def _format_depths(values: list[float | None]) -> str:
-    return "  ".join(f"d{depth}={'-' if value is None else f'{value:.2f}'}"
-                     for depth, value in enumerate(values, start=1))
+def _format_depths(values: list[float | None], attempts: list[int], few: int) -> str:
+    """`d1=0.81 (n=311)  d3=1.00 (n=4)*`: each rate with its attempts, * where they are fewer than `few`."""
+    return "  ".join(f"d{depth}={'-' if value is None else f'{value:.2f}'} (n={tried})"
+                     + ("*" if 0 < tried < few else "")
+                     for depth, (value, tried) in enumerate(zip(values, list(attempts) + [0] * len(values)), start=1))
 
 
-def plot_acceptance(per_depth: list[float | None], path: Path, title: str) -> None:
-    """Bar plot of the per-depth acceptance α_j."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    depths = list(range(1, len(per_depth) + 1))
-    values = [0.0 if value is None else value for value in per_depth]
-    figure, axis = plt.subplots(figsize=(5, 3.2))
-    bars = axis.bar(depths, values, color="#4c72b0")
-    for bar, value in zip(bars, per_depth):
-        axis.annotate("n/a" if value is None else f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                      ha="center", va="bottom", fontsize=8)
-    axis.set_xlabel("draft depth j")
-    axis.set_ylabel("acceptance α_j")
-    axis.set_ylim(0, 1.05)
-    axis.set_xticks(depths)
-    axis.set_title(title, fontsize=9)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+def _echo_groups(report: dict) -> None:
+    """One line per group: prompts, τ, speedup, α per depth with attempts."""
+    by = report["by"]
+    few = report["few_attempts"]
+    width = max(len(name) for name in by["groups"])
+    click.echo(f"by {by['field']} (α per depth with its attempts; * fewer than {few}: rough):")
+    for name, group in by["groups"].items():
+        click.echo(f"  {name:<{width}}  {group['prompts']:>3} prompts  τ {group['acceptance_length']:.2f}  "
+                   f"speedup {group['speedup']:.2f}x  "
+                   + _format_depths(group["per_depth_acceptance"], group["per_depth_attempts"], few))
 
 
 def _check_stores(stores: list[str]) -> None:
@@ -88,6 +78,10 @@ def _check_stores(stores: list[str]) -> None:
                    "side by side.")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write a per-depth acceptance bar plot (PNG).")
+@click.option("--by", "group_field", default="category", show_default=True, metavar="FIELD",
+              help="Also report τ, α per depth and speedup per value of this record field (MT-Bench's "
+                   "category; '' for none), in the text and --json; with --json, a bar chart per group is "
+                   "written beside it (JSON-NAME-by-FIELD.png). Records without the field form one group.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(sorted(DTYPES)),
               help="Target and drafter dtype. Compare outputs in float32: bf16 is not deterministic enough.")
 @click.option("--drafter-dtype", default=None, type=click.Choice(sorted(DTYPES)),
@@ -114,7 +108,7 @@ def _check_stores(stores: list[str]) -> None:
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @reports_errors
 def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth, top_k, total_tokens,
-             temperature, min_confidence, seed, limit, json_path, answers_path, plot_path, dtype, drafter_dtype, device, draft_vocab,
+             temperature, min_confidence, seed, limit, json_path, answers_path, plot_path, group_field, dtype, drafter_dtype, device, draft_vocab,
              draft_vocab_store, allow_other_target_weights, trust_remote_code, no_concat, strict,
              no_progress) -> None:
     """Speculative decoding with a Beagle drafter vs plain decoding of the same target, same prompts.
@@ -144,7 +138,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
     config = (DraftConfig.chain(depth, temperature, not no_concat, min_confidence) if chain else
               DraftConfig(depth=depth, top_k=top_k, total_tokens=total_tokens, temperature=temperature,
                           concatenate=not no_concat, min_confidence=min_confidence))
-    loaded = load_prompts(prompts_path, limit, skip_rejects=True)
+    loaded = load_prompts(prompts_path, limit, skip_rejects=True, group_by=group_field or None)
     items = loaded.items
     if loaded.rejects:
         first = loaded.rejects[0]
@@ -168,7 +162,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         logger.warning("no EOS id in the tokenizer or generation_config; answers stop at --max-new-tokens")
     progress = (lambda xs: xs) if no_progress else (lambda xs: tqdm(xs, desc="prompts", unit="prompt"))
     summary = evaluate_prompts(model, drafter, tokenizer, items, config, max_new_tokens, eos, seed, progress,
-                               keep_answers=answers_path is not None)
+                               keep_answers=answers_path is not None, group_field=group_field or None)
 
     shape = f"chain depth {depth}" if chain else f"tree depth {depth} top-k {top_k} total {total_tokens}"
     if min_confidence > 0:
@@ -179,20 +173,27 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
                f"{' no-concat' if no_concat else ''}  temperature: {temperature}  dtype: {dtype}  "
                f"device: {torch_device}")
     click.echo(f"acceptance length τ: {summary.acceptance_length:.2f} tokens per target pass")
-    click.echo(f"acceptance per depth: {_format_depths(summary.per_depth_acceptance)}")
+    click.echo(f"acceptance per depth: {_format_depths(report['per_depth_acceptance'], report['per_depth_attempts'], report['few_attempts'])}")
     click.echo(f"tokens/s: baseline {report['tokens_per_second']['baseline']:.1f}  "
                f"speculative {report['tokens_per_second']['speculative']:.1f}  speedup {summary.speedup:.2f}x")
     click.echo("peak memory (MiB): " + "  ".join(f"{k} {v:.0f}" for k, v in summary.peak_memory_mb.items()))
+    if report["by"]:
+        _echo_groups(report)
+    title = f"{Path(drafter_dir).parent.name or drafter_dir}: τ={summary.acceptance_length:.2f}, {shape}"
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        if report["by"]:
+            chart = Path(json_path).with_name(f"{Path(json_path).stem}-by-{group_field}.png")
+            plot_groups(report["by"]["groups"], chart, title, few=report["few_attempts"])
+            click.echo(f"acceptance by {group_field}: {chart}")
     if answers_path:
         Path(answers_path).parent.mkdir(parents=True, exist_ok=True)
         Path(answers_path).write_text("".join(json.dumps(answer, ensure_ascii=False) + "\n"
                                               for answer in summary.answers), encoding="utf-8")
     if plot_path:
-        plot_acceptance(summary.per_depth_acceptance, Path(plot_path),
-                        f"{Path(drafter_dir).parent.name or drafter_dir}: τ={summary.acceptance_length:.2f}, {shape}")
+        plot_acceptance(report["per_depth_acceptance"], report["per_depth_attempts"], Path(plot_path), title,
+                        few=report["few_attempts"])
     if temperature == 0:
         _report_greedy_equality(summary, dtype, strict)
 
