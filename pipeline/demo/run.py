@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.demo.prepare import DemoCache, default_cache_dir
+from pipeline.demo import task_sets
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class DemoSize:
     draft_vocab: int          # token loss (and drafting) over the most frequent predicted tokens
     lr: float
     warmup_steps: int
-    eval_prompts: int         # MT-Bench questions (two turns each)
+    eval_prompts: int         # of the demo's prompts: the first of each MT-Bench category, of HumanEval, of GSM8K
     max_new_tokens: int
     # A chain of 3 that drafts only while the drafter is >= 25% sure of the path: on a CPU every verified
     # token costs time, and a briefly trained drafter is sure only sometimes (docs/eval.md).
@@ -82,14 +83,16 @@ class DemoSize:
 SIZES = {
     "default": DemoSize("default", prompts=560, max_new_tokens_answer=192, max_prompt_length=256,
                         max_length=1024, stage1_epochs=8, stage2_epochs=4, train_batch_tokens=4096,
-                        draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
+                        draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=10, max_new_tokens=128,
+                        serve_prompts=10),
     # Where the CPU multiplies bf16 natively, regeneration and training run about twice as fast, so the same
     # 30 minutes hold twice the target's answers, and more of them is what raises τ (the scaling study,
     # docs/benchmarks.md): 1,120 prompts gave ~200k tokens and ~660 steps; since the demo also exports the drafter
     # and runs it in vLLM (~6 minutes), it answers 800 prompts.
     "default-bf16": DemoSize("default-bf16", prompts=800, max_new_tokens_answer=192, max_prompt_length=256,
                              max_length=1024, stage1_epochs=8, stage2_epochs=4, train_batch_tokens=4096,
-                             draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=5, max_new_tokens=128),
+                             draft_vocab=8192, lr=1e-3, warmup_steps=20, eval_prompts=10, max_new_tokens=128,
+                        serve_prompts=10),
     "smoke": DemoSize("smoke", prompts=16, max_new_tokens_answer=24, max_prompt_length=256, max_length=256,
                       stage1_epochs=1, stage2_epochs=1, train_batch_tokens=1024, draft_vocab=8192, lr=1e-3,
                       warmup_steps=2, eval_prompts=1, max_new_tokens=24, serve_prompts=1),
@@ -117,7 +120,7 @@ def cli_command() -> list[str]:
 
 
 ENGINE_KEYS = ["--layers", "-2,-1"]     # the residual stream entering the last decoder layer, and the final state
-FIRST_TURNS = "first-turns.jsonl"     # the prompts the engine check runs, ours and vLLM's alike
+FIRST_TURNS = "prompts-by-category.jsonl"  # what every eval and the engine check answer, ours and vLLM's alike
 
 
 def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
@@ -176,23 +179,24 @@ def program_for(name: str, cli: list[str]) -> list[str]:
     return [sys.executable] if name == "serve" else cli
 
 
-def write_first_turns(questions: Path, out: Path, limit: int) -> Path:
-    """The first turn of each of the first `limit` questions, as MT-Bench records: what vLLM and our eval both
-    answer in the engine check (vLLM answers one turn per prompt)."""
-    records = []
-    for line in questions.read_text(encoding="utf-8").splitlines():
-        if line.strip() and len(records) < limit:
-            record = json.loads(line)
-            records.append({**record, "turns": record["turns"][:1]})
+def write_first_turns(cache: DemoCache, out: Path) -> Path:
+    """The demo's prompts, as MT-Bench records with their category: the first turn of the first question of
+    each MT-Bench category, then the first HumanEval problem and the first GSM8K question (pipeline/demo/
+    task_sets.py), so every eval reports acceptance per kind of traffic (`eval --by category`). vLLM answers
+    one turn per prompt, so every side answers first turns."""
+    def read(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    records = task_sets.one_per_category(read(cache.questions_path), read(cache.code_path), read(cache.math_path))
     path = out / FIRST_TURNS
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    task_sets.write_records(records, path)
     return path
 
 
 def _eval_arguments(size: DemoSize, cache: DemoCache, out: Path) -> list[str]:
     """What both evals share: the target, the drafter, the prompts and the answers' length."""
     return ["eval", "--model", str(cache.model_dir), "--drafter", str(out / "train" / "drafter"),
-            "--prompts", str(cache.questions_path), "--limit", str(size.eval_prompts),
+            "--prompts", str(out / FIRST_TURNS), "--limit", str(size.eval_prompts),
             "--max-new-tokens", str(size.max_new_tokens)]
 
 
@@ -418,8 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = plan(size, cache, out, progress=not args.no_progress)
     try:
         results = run_steps(steps[:1], cli_command())      # prepare: the cache holds the questions afterwards
-        if size.serve:
-            write_first_turns(cache.questions_path, out, size.serve_prompts)
+        write_first_turns(cache, out)
         results += run_steps(steps[1:], cli_command())
     except DemoError as error:
         print(f"\ndemo stopped: {error}", file=sys.stderr)
