@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(os.environ.get("BEAGLE_DEMO_CACHE", ROOT / ".cache" / "demo"))
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RUNNER = Path(__file__).resolve().parent / "serve_vllm.py"
+sys.path.insert(0, str(ROOT))  # bench.serve_analysis, and the project for the pictures
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -86,9 +87,12 @@ def build_random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path, *, 
 
 
 def run_vllm(vllm_python: Path, out_json: Path, log_path: Path, *, target, prompts, dtype, limit, max_new_tokens,
-             drafter=None, method="eagle3", k=3, timeout=1800, preload_iomp=True) -> dict:
+             drafter=None, method="eagle3", k=3, timeout=1800, preload_iomp=True, temperature=0.0, top_p=1.0,
+             samples=1, concurrency=1, by="category") -> dict:
     cmd = [str(vllm_python), str(RUNNER), "--target", str(target), "--prompts", str(prompts), "--dtype", dtype,
-           "--limit", str(limit), "--max-new-tokens", str(max_new_tokens), "--out", str(out_json)]
+           "--limit", str(limit), "--max-new-tokens", str(max_new_tokens), "--out", str(out_json),
+           "--temperature", str(temperature), "--top-p", str(top_p), "--samples", str(samples),
+           "--concurrency", str(concurrency), "--by", by]
     if drafter:
         cmd += ["--drafter", str(drafter), "--method", method, "--num-speculative-tokens", str(k)]
     env = {k_: v for k_, v in os.environ.items() if k_ not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
@@ -169,6 +173,107 @@ def print_table(report: dict) -> None:
         print(line)
     if ours:
         print(f"our eval τ {ours['tau']:.3f} from {ours['path']} (draft {ours.get('draft')})")
+    for dtype, row in report["dtypes"].items():
+        groups = row.get("by_group") or {}
+        if len(groups) > 1:
+            print(f"{dtype} by {report.get('by')} (acceptance at each position over its drafts; * fewer than 20):")
+            width = max(len(name) for name in groups)
+            for name, g in groups.items():
+                per = " ".join(f"{_fmt(a, '.2f')}" for a in g["per_position_acceptance"])
+                print(f"  {name:<{width}} {g['requests']:>3} req  acc.len {_fmt(g['acceptance_length'])}  "
+                      f"per position {per} (n={g['drafts']}){'*' if 0 < g['drafts'] < 20 else ''}  "
+                      f"speedup {_fmt(g.get('tokens_per_second_ratio'), '.2f')}x")
+    sweep = [r for r in report.get("sweep", []) if not (r["temperature"] == 0 and r["concurrency"] == 1)]
+    if sweep:
+        print(f"{'dtype':9} {'T':>4} {'conc':>4} {'acc.len':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+              f"{'p50 plain/spec s':>17} {'p90 plain/spec s':>17} {'same dist. p':>12}")
+        for r in sweep:
+            if "error" in r:
+                print(f"{r['dtype']:9} {r['temperature']:>4g} {r['concurrency']:>4} ERROR: {r['error']}")
+                continue
+            pl, sp = r.get("plain_latency_seconds") or {}, r.get("spec_latency_seconds") or {}
+            check = r.get("same_distribution")
+            print(f"{r['dtype']:9} {r['temperature']:>4g} {r['concurrency']:>4} {_fmt(r.get('acceptance_length')):>7} "
+                  f"{_fmt(r['plain_tokens_per_second'], '.1f'):>11} {_fmt(r['spec_tokens_per_second'], '.1f'):>10} "
+                  f"{_fmt(r.get('tokens_per_second_ratio'), '.2f'):>5}x "
+                  f"{_fmt(pl.get('median'), '.2f'):>8}/{_fmt(sp.get('median'), '.2f'):<8} "
+                  f"{_fmt(pl.get('p90'), '.2f'):>8}/{_fmt(sp.get('p90'), '.2f'):<8} "
+                  f"{_fmt(check and check['p_value'], '.3f'):>12}")
+    for control in report.get("sampling_control", []):
+        print(f"control: plain at T={control['temperatures'][0]:g} vs T={control['temperatures'][1]:g} "
+              f"({control['dtype']}, conc {control['concurrency']}): p={control['p_value']:.2g} over "
+              f"{control['tables']} prompt positions (must be small: the check tells distributions apart)")
+    for label, level in (report.get("crossover") or {}).items():
+        if len(report.get("concurrency", [])) > 1:
+            print(f"crossover {label}: " + (f"speculation stops paying at {level} requests in flight" if level
+                                            else "speculation pays at every level measured"))
+
+
+def _row(plain: dict, spec: dict, ours: dict | None, args) -> dict:
+    """One setting's figures: identical answers (greedy), acceptance overall and per group, tokens/s and the
+    ratio, latency, and under sampling the distribution check."""
+    from bench.serve_analysis import group_acceptance, same_distribution
+
+    row = compare(plain, spec) if spec.get("temperature", 0) == 0 else {}
+    row.update({
+        "acceptance_length": spec.get("acceptance_length"),
+        "per_position_acceptance": spec.get("per_position_acceptance"),
+        "drafts": (spec.get("spec_metrics") or {}).get("vllm:spec_decode_num_drafts"),
+        "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
+        "spec_metrics": spec.get("spec_metrics"),
+        "plain_tokens_per_second": plain["tokens_per_second"],
+        "spec_tokens_per_second": spec["tokens_per_second"],
+        "tokens_per_second_ratio": (spec["tokens_per_second"] / plain["tokens_per_second"]
+                                    if plain["tokens_per_second"] else None),
+        "plain_latency_seconds": plain.get("latency_seconds"), "spec_latency_seconds": spec.get("latency_seconds"),
+        "plain_output_tokens": plain["output_tokens"], "spec_output_tokens": spec["output_tokens"],
+        "by_group": group_acceptance(spec["answers"], plain["answers"]) if args.by else None,
+    })
+    if spec.get("temperature", 0) > 0 and spec.get("samples", 1) > 1:
+        row["same_distribution"] = same_distribution(plain["answers"], spec["answers"])
+    if ours and row.get("acceptance_length") is not None and ours["tau"]:
+        row["acceptance_length_over_our_tau"] = row["acceptance_length"] / ours["tau"]
+    return row
+
+
+def _sampling_control(report: dict, plain_runs: dict[tuple, dict]) -> None:
+    """The check's control: plain runs at two different temperatures must be told apart by the same test."""
+    from bench.serve_analysis import same_distribution
+
+    sampled = sorted({t for (_, t, _) in plain_runs if t > 0})
+    if len(sampled) < 2 or report["samples"] < 2:
+        return
+    for (dtype, temperature, concurrency), low in plain_runs.items():
+        high = plain_runs.get((dtype, sampled[-1], concurrency))
+        if temperature == sampled[0] and high is not None:
+            report.setdefault("sampling_control", []).append(
+                {"dtype": dtype, "concurrency": concurrency, "temperatures": [sampled[0], sampled[-1]],
+                 **same_distribution(low["answers"], high["answers"])})
+
+
+def _pictures(report: dict, out: Path) -> None:
+    """Speedup against concurrency (one line per dtype and temperature) and acceptance per group."""
+    from bench.serve_analysis import crossover, plot_concurrency
+    from pipeline.commands.acceptance_plots import plot_groups
+
+    rows = [r for r in report["sweep"] if "error" not in r]
+    lines: dict[str, list[dict]] = {}
+    for row in rows:
+        lines.setdefault(f"k={report['num_speculative_tokens']} {row['dtype']} T={row['temperature']:g}", []).append(row)
+    report["crossover"] = {label: crossover(line) for label, line in lines.items()}
+    if len(report["concurrency"]) > 1 and rows:
+        path = out.with_name(out.stem + "-concurrency.png")
+        plot_concurrency(lines, path, f"vLLM {report.get('vllm_version', '')}: speculative ÷ plain")
+        report["concurrency_picture"] = str(path)
+    for row in rows:
+        groups = row.get("by_group") or {}
+        if row["temperature"] == 0 and row["concurrency"] == 1 and len(groups) > 1:
+            path = out.with_name(f"{out.stem}-{row['dtype']}-by-{report['by']}.png")
+            plot_groups({name: {"acceptance_length": g["acceptance_length"] or 0.0,
+                                "per_depth_acceptance": g["per_position_acceptance"],
+                                "per_depth_attempts": g["per_position_drafts"]} for name, g in groups.items()},
+                        path, f"vLLM, {row['dtype']}", few=20)
+            row["by_group_picture"] = str(path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -188,6 +293,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=str(VLLM_PYTHON))
     p.add_argument("--out", default=str(ROOT / "runs" / "serve-check" / "serve.json"))
     p.add_argument("--timeout", type=int, default=1800, help="seconds per vLLM run")
+    p.add_argument("--temperatures", default="0",
+                   help="comma-separated; above 0 answers are sampled (seeded) and, with --samples > 1, plain and "
+                        "speculative token distributions are compared (and two temperatures' plain runs as the "
+                        "control that must differ)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--samples", type=int, default=1, help="samples per prompt (the distribution check)")
+    p.add_argument("--concurrency", default="1",
+                   help="comma-separated requests in flight (max_num_seqs), e.g. 1,4,16: tokens/s and latency at "
+                        "each, speculative ÷ plain, the crossover, and a picture")
+    p.add_argument("--by", default="category", help="record field whose groups get their own acceptance rows")
     p.add_argument("--no-iomp", action="store_true",
                    help="do not LD_PRELOAD the vLLM venv's libiomp5.so (vLLM's advice for CPU speculative decoding)")
     return p.parse_args(argv)
@@ -228,51 +343,55 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
     failed = False
+    temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    report.update(temperatures=temperatures, concurrency=levels, samples=args.samples, top_p=args.top_p,
+                  by=args.by, sweep=[])
+    plain_runs: dict[tuple, dict] = {}
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
-        row: dict = {}
-        results = {}
-        for kind in ("plain", "spec"):
-            name = f"{dtype}-{kind}"
-            print(f"vLLM {name} ...", flush=True)
-            result = run_vllm(vllm_python, runs_dir / f"{name}.json", runs_dir / f"{name}.log", target=args.target,
-                              prompts=args.prompts, dtype=dtype, limit=args.limit,
-                              max_new_tokens=args.max_new_tokens, drafter=drafter if kind == "spec" else None,
-                              method=args.method, k=args.num_speculative_tokens, timeout=args.timeout,
-                              preload_iomp=not args.no_iomp)
-            steps[f"vllm {name}"] = result["process_seconds"]
-            results[kind] = result
-            report["runs"][name] = {k: v for k, v in result.items() if k != "answers"}
-            if "error" in result:
-                print(f"  FAILED ({result['error']}), log {result['log']}:\n{result['log_tail']}", flush=True)
-                failed = True
-            else:
-                report.setdefault("vllm_version", result.get("vllm_version"))
-                print(f"  {result['output_tokens']} tokens in {result['seconds']:.1f}s = "
-                      f"{result['tokens_per_second']:.1f} tokens/s (process {result['process_seconds']:.0f}s, "
-                      f"load {result['load_seconds']:.0f}s)" +
-                      (f", acceptance length {result['acceptance_length']:.3f}" if "acceptance_length" in result else ""),
-                      flush=True)
-            save()
-        plain, spec = results["plain"], results["spec"]
-        if "error" in plain or "error" in spec:
-            row["error"] = "; ".join(f"{k}: {r['error']}" for k, r in results.items() if "error" in r)
-        else:
-            row.update(compare(plain, spec))
-            row.update({
-                "acceptance_length": spec.get("acceptance_length"),
-                "per_position_acceptance": spec.get("per_position_acceptance"),
-                "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
-                "spec_metrics": spec.get("spec_metrics"),
-                "plain_tokens_per_second": plain["tokens_per_second"],
-                "spec_tokens_per_second": spec["tokens_per_second"],
-                "tokens_per_second_ratio": (spec["tokens_per_second"] / plain["tokens_per_second"]
-                                            if plain["tokens_per_second"] else None),
-                "plain_output_tokens": plain["output_tokens"], "spec_output_tokens": spec["output_tokens"],
-            })
-            if ours and row.get("acceptance_length") is not None and ours["tau"]:
-                row["acceptance_length_over_our_tau"] = row["acceptance_length"] / ours["tau"]
-        report["dtypes"][dtype] = row
-        save()
+        for temperature in temperatures:
+            for concurrency in levels:
+                default = temperature == 0 and concurrency == 1
+                setting = "" if default else f"-t{temperature:g}-c{concurrency}"
+                row: dict = {"dtype": dtype, "temperature": temperature, "concurrency": concurrency}
+                results = {}
+                for kind in ("plain", "spec"):
+                    name = f"{dtype}{setting}-{kind}"
+                    print(f"vLLM {name} ...", flush=True)
+                    result = run_vllm(vllm_python, runs_dir / f"{name}.json", runs_dir / f"{name}.log",
+                                      target=args.target, prompts=args.prompts, dtype=dtype, limit=args.limit,
+                                      max_new_tokens=args.max_new_tokens, drafter=drafter if kind == "spec" else None,
+                                      method=args.method, k=args.num_speculative_tokens, timeout=args.timeout,
+                                      preload_iomp=not args.no_iomp, temperature=temperature, top_p=args.top_p,
+                                      samples=args.samples if temperature > 0 else 1, concurrency=concurrency,
+                                      by=args.by)
+                    steps[f"vllm {name}"] = result["process_seconds"]
+                    results[kind] = result
+                    report["runs"][name] = {k: v for k, v in result.items() if k != "answers"}
+                    if "error" in result:
+                        print(f"  FAILED ({result['error']}), log {result['log']}:\n{result['log_tail']}", flush=True)
+                        failed = True
+                    else:
+                        report.setdefault("vllm_version", result.get("vllm_version"))
+                        print(f"  {result['output_tokens']} tokens in {result['seconds']:.1f}s = "
+                              f"{result['tokens_per_second']:.1f} tokens/s (process {result['process_seconds']:.0f}s, "
+                              f"load {result['load_seconds']:.0f}s)" +
+                              (f", acceptance length {result['acceptance_length']:.3f}"
+                               if "acceptance_length" in result else ""), flush=True)
+                    save()
+                plain, spec = results["plain"], results["spec"]
+                if "error" in plain or "error" in spec:
+                    row["error"] = "; ".join(f"{k}: {r['error']}" for k, r in results.items() if "error" in r)
+                else:
+                    plain_runs[(dtype, temperature, concurrency)] = plain
+                    row.update(_row(plain, spec, ours, args))
+                report["sweep"].append(row)
+                if default:
+                    report["dtypes"][dtype] = row
+                save()
+    _sampling_control(report, plain_runs)
+    _pictures(report, out)
+    save()
     print_table(report)
     print(f"steps: " + "  ".join(f"{k} {v:.0f}s" for k, v in steps.items()))
     print(f"figures written to {out}")

@@ -2,16 +2,22 @@
 
     .venv-vllm/bin/python bench/serve_vllm.py --target .cache/demo/model [--drafter DIR --method eagle3]
         [--num-speculative-tokens 3] [--dtype float32|bfloat16] --prompts question.jsonl [--limit 10]
-        [--max-new-tokens 64] --out run.json
+        [--max-new-tokens 64] [--temperature 0.7 --top-p 1.0 --samples 1] [--concurrency 1] [--by category]
+        --out run.json
 
 This file imports nothing from the project (the vLLM venv does not have it): bench/serve.py starts it as a
 subprocess and compares the runs. Prompts are MT-Bench style JSONL ({"turns": [...]}, first turn used;
 {"prompt": ...} and {"messages": [...]} are taken too), rendered with the target's chat template
-(add_generation_prompt=True) and passed to vLLM as token ids. Answers are greedy (temperature 0), one prompt
-at a time (batch size 1, the latency setting speculative decoding is for), after one warm-up prompt that is
-not counted. Writes per-prompt output token ids and seconds, output tokens/s over all prompts, and the
-speculative-decoding counters of `LLM.get_metrics()` (differences over the timed prompts only):
-acceptance length = 1 + accepted / drafts, acceptance at position j = accepted_per_pos[j] / drafts.
+(add_generation_prompt=True) and passed to vLLM as token ids. Answers are greedy by default (temperature 0),
+one prompt at a time (concurrency 1, the latency setting speculative decoding is for), after one warm-up
+prompt that is not counted. `--concurrency N` runs the prompts in waves of N requests in flight together
+(`max_num_seqs` N; a wave ends with its slowest request), `--temperature`/`--top-p` sample (each request
+seeded: `--seed` + its index), `--samples S` asks every prompt S times (the distribution check of
+bench/serve.py). Writes per-request output token ids, latency (queued to last token, vLLM's own request
+timestamps) and group (the record's `--by` field), output tokens/s over all requests, the speculative-decoding
+counters of `LLM.get_metrics()` (differences over the timed requests only: acceptance length = 1 + accepted /
+drafts, acceptance at position j = accepted_per_pos[j] / drafts) and, per request, vLLM's per-request
+acceptance histogram (`per_request_spec_decode_metrics="summary"`), from which bench/serve.py sums groups.
 """
 from __future__ import annotations
 
@@ -39,12 +45,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up prompt")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="request i is seeded with seed + i (sampling); -1: unseeded")
+    p.add_argument("--samples", type=int, default=1, help="ask every prompt this many times")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight together (max_num_seqs)")
+    p.add_argument("--by", default="category", help="record field saved as each request's group")
     p.add_argument("--out", required=True, help="JSON file to write")
     return p.parse_args(argv)
 
 
-def load_messages(path: str, limit: int) -> list[list[dict]]:
-    conversations = []
+def load_messages(path: str, limit: int, by: str | None = None) -> tuple[list[list[dict]], list[str | None]]:
+    """(the first user turn of each usable record, each record's `by` field as a string or None)."""
+    conversations, groups = [], []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
@@ -59,9 +72,11 @@ def load_messages(path: str, limit: int) -> list[list[dict]]:
             else:
                 continue
             conversations.append(messages)
+            value = record.get(by) if by else None
+            groups.append(None if value is None or isinstance(value, (dict, list)) else str(value))
             if limit and len(conversations) >= limit:
                 break
-    return conversations
+    return conversations, groups
 
 
 def spec_metrics(llm) -> dict:
@@ -90,6 +105,13 @@ def difference(after: dict, before: dict) -> dict:
     return diff
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank q-th percentile of sorted `values` (None for none)."""
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, int(-(-len(values) * q // 100)) - 1))]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -101,12 +123,13 @@ def main(argv=None) -> int:
     if args.drafter:
         speculative_config = {"method": args.method, "model": str(Path(args.drafter).resolve()),
                               "num_speculative_tokens": args.num_speculative_tokens}
+    extra = {"per_request_spec_decode_metrics": "summary"} if args.drafter else {}
     llm = LLM(model=str(Path(args.target).resolve()), dtype=args.dtype, speculative_config=speculative_config,
               disable_log_stats=False, gpu_memory_utilization=0.3, enforce_eager=True,
-              max_model_len=args.max_model_len, max_num_seqs=4, seed=0)
+              max_model_len=args.max_model_len, max_num_seqs=max(4, args.concurrency), seed=0, **extra)
     load_seconds = time.perf_counter() - started
     tokenizer = llm.get_tokenizer()
-    conversations = load_messages(args.prompts, args.limit)
+    conversations, groups = load_messages(args.prompts, args.limit, args.by)
     if not conversations:
         print(f"no prompts in {args.prompts}", file=sys.stderr)
         return 2
@@ -114,23 +137,38 @@ def main(argv=None) -> int:
     for messages in conversations:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    def params(request: int):
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                              seed=args.seed + request if args.temperature > 0 and args.seed >= 0 else None)
 
-    def generate(ids):
-        return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    def generate(batch: list[tuple[int, list[int]]]):
+        return llm.generate([{"prompt_token_ids": ids} for _, ids in batch], [params(i) for i, _ in batch],
+                            use_tqdm=False)
 
     if not args.no_warmup:
-        generate(prompt_ids[0])
+        generate([(0, prompt_ids[0])] * min(args.concurrency, 4))
+    requests = [(index * args.samples + sample, index) for index in range(len(prompt_ids))
+                for sample in range(args.samples)]
     before = spec_metrics(llm)
     answers = []
     total_seconds = 0.0
-    for index, ids in enumerate(prompt_ids):
+    for start in range(0, len(requests), args.concurrency):
+        wave = requests[start:start + args.concurrency]
         t0 = time.perf_counter()
-        completion = generate(ids)
+        outputs = generate([(request, prompt_ids[index]) for request, index in wave])
         seconds = time.perf_counter() - t0
         total_seconds += seconds
-        answers.append({"index": index, "prompt_tokens": len(ids), "output_token_ids": list(completion.token_ids),
-                        "seconds": seconds, "finish_reason": completion.finish_reason})
+        for (request, index), output in zip(wave, outputs):
+            completion = output.outputs[0]
+            stats = getattr(output, "metrics", None)
+            latency = (stats.last_token_ts - stats.queued_ts
+                       if stats is not None and stats.last_token_ts and stats.queued_ts else seconds)
+            spec = getattr(completion, "spec_decode_metrics", None)
+            answers.append({"index": index, "request": request, "group": groups[index],
+                            "prompt_tokens": len(prompt_ids[index]), "output_token_ids": list(completion.token_ids),
+                            "seconds": seconds, "latency": latency, "finish_reason": completion.finish_reason,
+                            "spec": None if spec is None else {"histogram": list(spec.histogram),
+                                                               "num_draft_tokens": spec.num_draft_tokens}})
     counters = difference(spec_metrics(llm), before)
     output_tokens = sum(len(a["output_token_ids"]) for a in answers)
 
@@ -138,11 +176,15 @@ def main(argv=None) -> int:
         "engine": "vllm", "vllm_version": __import__("vllm").__version__,
         "target": str(args.target), "drafter": args.drafter, "method": args.method if args.drafter else None,
         "num_speculative_tokens": args.num_speculative_tokens if args.drafter else 0,
-        "dtype": args.dtype, "num_prompts": len(answers), "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype, "num_prompts": len(prompt_ids), "num_requests": len(answers),
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "samples": args.samples, "concurrency": args.concurrency, "by": args.by,
         "load_seconds": load_seconds, "seconds": total_seconds, "output_tokens": output_tokens,
         "tokens_per_second": output_tokens / total_seconds if total_seconds > 0 else 0.0,
         "spec_metrics": counters, "answers": answers,
     }
+    latencies = sorted(a["latency"] for a in answers)
+    report["latency_seconds"] = {"median": percentile(latencies, 50), "p90": percentile(latencies, 90)}
     drafts = counters.get("vllm:spec_decode_num_drafts", 0)
     if drafts:
         report["acceptance_length"] = 1.0 + counters.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts
@@ -152,7 +194,7 @@ def main(argv=None) -> int:
                                            if draft_tokens else None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    summary = (f"vllm {args.dtype} {'plain' if not args.drafter else args.method}: {len(answers)} prompts, "
+    summary = (f"vllm {args.dtype} {'plain' if not args.drafter else args.method}: {len(answers)} requests, "
                f"{output_tokens} tokens in {total_seconds:.1f}s = {report['tokens_per_second']:.1f} tokens/s "
                f"(load {load_seconds:.0f}s)")
     if drafts:
