@@ -422,6 +422,12 @@ def test_final_table_shows_every_measure(tmp_path: Path) -> None:
                      "acceptance length 1.47 (chain of 3, 0.98x our eval's τ 1.50)", "= 1.10x",
                      "5 of 5 answers identical to vLLM's plain decoding", "vLLM bfloat16  FAILED: spec: exit 1"]:
         assert expected in table, expected
+    by = {"writing": {"prompts": 1, "tau": 1.42, "vllm_acceptance_length": 1.40},
+          "humaneval": {"prompts": 1, "tau": 1.9, "vllm_acceptance_length": None}}
+    assert "τ by category  (ours/vLLM fp32) writing 1.42/1.40  humaneval 1.90" in run.format_table(
+        {**summary, "by_category": by})
+    assert run._by_category({"by": {"groups": {"math": {"prompts": 2, "acceptance_length": 1.5, "speedup": 1.1}}}},
+                            tmp_path) == {"math": {"prompts": 2, "tau": 1.5, "speedup": 1.1, "vllm_acceptance_length": None}}
 
 
 def test_the_default_size_follows_the_hardware_and_a_run_of_another_size_starts_afresh(tmp_path: Path,

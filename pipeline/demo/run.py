@@ -289,9 +289,24 @@ def summarize(size: DemoSize, out: Path, results: list[StepResult]) -> dict:
             "acceptance_length": speed.get("acceptance_length"),
             "tokens_per_second": speed.get("tokens_per_second"), "speedup": speed.get("speedup"),
             "answers_compared": speed.get("answers_compared"), "answers_differing": len(speed.get("mismatches", []))},
-        "plots": [str(p) for p in (out / "train" / "curves.png", out / "acceptance.png") if p.is_file()],
+        "plots": [str(p) for p in (out / "train" / "curves.png", out / "acceptance.png", out / "eval-by-category.png",
+                                   *sorted(out.glob("serve-*-by-category.png"))) if p.is_file()],
         "engine": _engine_summary(out),
+        "by_category": _by_category(evaluation, out),
     }
+
+
+def _by_category(evaluation: dict, out: Path) -> dict[str, dict]:
+    """Per prompt category: our eval's τ and prompts, and vLLM's acceptance length in float32 (where it ran)."""
+    ours = ((evaluation.get("by") or {}).get("groups")) or {}
+    serve_path = out / "serve.json"
+    served = {}
+    if serve_path.is_file():
+        row = json.loads(serve_path.read_text(encoding="utf-8")).get("dtypes", {}).get("float32") or {}
+        served = row.get("by_group") or {}
+    return {name: {"prompts": group.get("prompts"), "tau": group.get("acceptance_length"),
+                   "speedup": group.get("speedup"), "vllm_acceptance_length": (served.get(name) or {}).get("acceptance_length")}
+            for name, group in ours.items()}
 
 
 def _engine_summary(out: Path) -> dict | None:
@@ -345,6 +360,7 @@ def format_table(summary: dict) -> str:
         ("speedup", "-" if speedup is None else f"{speedup:.2f}x ({match})"),
         *_speed_rows(summary.get("speed_eval")),
         *_engine_rows(summary.get("engine")),
+        *_category_rows(summary.get("by_category")),
         ("plots", ", ".join(summary["plots"]) or "-"),
     ]
     width = max(len(label) for label, _ in rows)
@@ -388,6 +404,20 @@ def _engine_rows(engine: dict | None) -> list[tuple[str, str]]:
                                       f"{row['tokens_per_second_ratio']:.2f}x; {identical}"))
     return [("in vLLM", f"the EAGLE-3 export, served by vLLM {engine.get('vllm_version') or ''} (CPU build), "
                         f"{engine['prompts']} first turns"), *rows]
+
+
+def _category_rows(by_category: dict | None) -> list[tuple[str, str]]:
+    """One row: τ per category of the demo's prompts (ours, and vLLM's acceptance length where it ran)."""
+    if not by_category:
+        return []
+    cells = [f"{name} {_rate(g['tau'])}" + (f"/{_rate(g['vllm_acceptance_length'])}" if g.get("vllm_acceptance_length")
+                                            else "") for name, g in by_category.items()]
+    vllm = any(g.get("vllm_acceptance_length") for g in by_category.values())
+    return [("τ by category", ("(ours/vLLM fp32) " if vllm else "") + "  ".join(cells))]
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _duration(seconds: float) -> str:
