@@ -239,6 +239,21 @@ def test_a_link_out_of_the_store_is_refused_without_reading_it(pristine, tmp_pat
     assert any(TABLE in p and "outside the store" in p for p in report.problems), report.problems
 
 
+def test_a_fifo_at_a_shards_commit_marker_is_flagged_by_verify_without_blocking(pristine, tmp_path):
+    """shard.json is no listed file (it is the shard's commit marker), yet a FIFO there must not pass `verify`,
+    and reading one would block: the check stats, never opens (the call would hang, not fail, if it did)."""
+    store = tmp_path / "store"
+    shutil.copytree(pristine[0], store)
+    marker = next(store.glob("shards/*/shard.json"))
+    marker.unlink()
+    os.mkfifo(marker)
+    report = verify_store(str(store))
+    relative = str(marker.relative_to(store))
+    assert any(relative in p and "FIFO" in p for p in report.problems), report.problems
+    result = CliRunner().invoke(cli_main, ["verify", str(store)])
+    assert result.exit_code == 1 and relative in result.output, result.output
+
+
 @pytest.mark.parametrize("manifest", ['{"schema_version": "1.0", "dataset_id": "x", "hidden_size": 64, '
                                       '"layers": [-1], "dtype": "float32", "shards": "oops", "counts": {}, '
                                       '"target": {}, "files": {}}',

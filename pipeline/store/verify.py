@@ -66,6 +66,10 @@ def verify_store(url: str, *, progress: Callable[[int], None] | None = None) -> 
             report.bytes_checked += size
             if progress:
                 progress(size)
+    for shard in manifest["shards"]:  # each shard's commit marker: unlisted, yet a FIFO there must not pass
+        problem = integrity.link_problem(fs, root, f"{fmt.SHARDS_DIR}/{shard['name']}/{fmt.SHARD_INFO}")
+        if problem:
+            report.problems.append(problem)
     report.problems.extend(integrity.count_problems(manifest))
     report.problems.extend(_listing_problems(store))
     report.problems.extend(_rejects_problems(store))
