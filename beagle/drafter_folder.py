@@ -18,11 +18,13 @@ from torch import Tensor
 from beagle.model import DrafterConfig
 from beagle.registry import build_drafter, form_named
 from pipeline.store import atomic
+from pipeline.store.hashing import BLAKE3, bytes_checksum, checksum_entry, entry_checksum, new_digest, update_from_file
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+WEIGHTS_ENTRY = "weights"  # config.json's {"bytes": N, "blake3": hex} of model.safetensors, as a store lists its files
 
 
 def save_drafter(directory: str | os.PathLike, model: torch.nn.Module, *,
@@ -34,8 +36,10 @@ def save_drafter(directory: str | os.PathLike, model: torch.nn.Module, *,
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     weights = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    atomic.write_bytes(directory / WEIGHTS_NAME, save(weights, metadata={"format": "pt"}))
-    config = {**metadata, **model.config.to_dict(), "drafter_type": model.drafter_type}
+    payload = save(weights, metadata={"format": "pt"})
+    atomic.write_bytes(directory / WEIGHTS_NAME, payload)
+    config = {**metadata, **model.config.to_dict(), "drafter_type": model.drafter_type,
+              WEIGHTS_ENTRY: checksum_entry(BLAKE3, bytes_checksum(payload, BLAKE3), len(payload))}
     atomic.write_text(directory / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     log.info("exported drafter to %s (%d tensors)", directory, len(weights))
 
@@ -60,12 +64,35 @@ def read_drafter_meta(config_path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def read_weights(weights_path: str | os.PathLike, *, check_only: bool = False) -> dict[str, Tensor]:
-    """A drafter's model.safetensors, or a one-line ValueError when it is damaged (a bad header, a truncated
-    file): safetensors' own checks, which cover every byte of the header and the file's length. `check_only`:
-    those checks alone (the header is parsed, no tensor is read), returning {}."""
+def check_weights_checksum(weights_path: str | os.PathLike, entry: Any) -> None:
+    """The file's length and checksum against config.json's `weights` entry (a one-line ValueError on a
+    mismatch). A folder written before drafters carried checksums has no entry and passes unchecked."""
+    if entry is None:
+        return
+    damaged = "the drafter folder is damaged: re-export it or retrain"
+    try:
+        algorithm, expected = entry_checksum(entry, where=f"{Path(weights_path).parent / CONFIG_NAME}: weights")
+        size = int(entry["bytes"])
+    except Exception as error:
+        raise ValueError(f"{str(error).splitlines()[0]}; {damaged}") from None
+    actual_size = os.path.getsize(weights_path)
+    if actual_size != size:
+        raise ValueError(f"{weights_path} holds {actual_size} bytes, its config.json records {size}; {damaged}")
+    actual = update_from_file(new_digest(algorithm), weights_path).hexdigest()
+    if actual != expected:
+        raise ValueError(f"{weights_path}: {algorithm} {actual[:16]}… differs from the {expected[:16]}… its "
+                         f"config.json records; {damaged}")
+
+
+def read_weights(weights_path: str | os.PathLike, *, check_only: bool = False,
+                 checksum: Any = None) -> dict[str, Tensor]:
+    """A drafter's model.safetensors, or a one-line ValueError when it is damaged: its length and checksum
+    against `checksum` (config.json's `weights` entry, when the folder has one: a flipped byte anywhere), then
+    safetensors' own checks (every byte of the header, the file's length). `check_only`: the checks alone (the
+    header is parsed, no tensor is read), returning {}."""
     from safetensors import safe_open
 
+    check_weights_checksum(weights_path, checksum)
     try:
         if check_only:
             with safe_open(str(weights_path), framework="pt"):
@@ -93,7 +120,7 @@ def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head:
     names = DrafterConfig.__dataclass_fields__.keys()
     config = DrafterConfig.from_dict({k: meta[k] for k in names if k in meta})
     model = build_drafter(form, config, embed_tokens, lm_head)
-    state = read_weights(weights_path)
+    state = read_weights(weights_path, checksum=meta.get(WEIGHTS_ENTRY))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights_path} does not match the drafter config: missing={missing}, "

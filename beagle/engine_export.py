@@ -31,7 +31,8 @@ from safetensors.torch import save
 from torch import Tensor, nn
 
 from beagle.layer_capture import eagle3_aux_layers
-from beagle.drafter_folder import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
+from beagle.drafter_folder import (CONFIG_NAME, WEIGHTS_ENTRY, WEIGHTS_NAME, load_drafter, read_drafter_meta,
+                                   read_weights, save_drafter)
 from beagle.registry import bare_drafter, form_of
 from pipeline.store import atomic
 
@@ -341,10 +342,12 @@ def export_native(drafter: str | os.PathLike | nn.Module, out_dir: str | os.Path
     try:
         if is_folder:
             for name in (CONFIG_NAME, WEIGHTS_NAME):
-                source = Path(drafter) / name
-                if not source.is_file():
-                    raise ValueError(f"{source} not found; point RUN at a run or its drafter/ folder")
-                atomic.write_bytes(staging / name, source.read_bytes())
+                if not (Path(drafter) / name).is_file():
+                    raise ValueError(f"{Path(drafter) / name} not found; point RUN at a run or its drafter/ folder")
+            meta = read_drafter_meta(Path(drafter) / CONFIG_NAME)  # a damaged folder is never copied
+            read_weights(Path(drafter) / WEIGHTS_NAME, check_only=True, checksum=meta.get(WEIGHTS_ENTRY))
+            for name in (CONFIG_NAME, WEIGHTS_NAME):
+                atomic.write_bytes(staging / name, (Path(drafter) / name).read_bytes())
         else:
             save_drafter(staging, bare_drafter(drafter)[0], metadata=metadata or {})
         atomic.write_text(staging / PROVENANCE_NAME, json.dumps(

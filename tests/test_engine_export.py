@@ -498,8 +498,12 @@ def test_damaged_or_foreign_drafter_folders_are_refused_in_one_line(target, targ
 
     flipped = bytearray(weights)
     flipped[12] ^= 0xFF                                                  # inside the JSON header
-    cases = [(damaged("flipped", payload=bytes(flipped)), "not a whole safetensors file"),
-             (damaged("truncated", payload=weights[:-100]), "not a whole safetensors file"),
+    unchecked = json.loads((good / "drafter" / "config.json").read_text())
+    unchecked.pop("weights")                                             # a folder written before checksums
+    cases = [(damaged("flipped", payload=bytes(flipped)), "differs from the"),   # the recorded checksum
+             (damaged("truncated", payload=weights[:-100]), "bytes, its config.json records"),
+             (damaged("flipped-old", json.dumps(unchecked), bytes(flipped)), "not a whole safetensors file"),
+             (damaged("truncated-old", json.dumps(unchecked), weights[:-100]), "not a whole safetensors file"),
              (damaged("list", config="[1, 2]"), "holds a list"),
              (damaged("text", config="{not json"), "not valid JSON"),
              (tmp_path / "engine", "is an engine export")]

@@ -96,14 +96,15 @@ def export(run, fmt, out_dir, target_dir, speculative_tokens, dtype, embed_token
     layer the engine cannot read. See docs/engine-export.md.
     """
     from beagle.devices import torch_dtype
-    from beagle.drafter_folder import read_drafter_meta, read_weights
+    from beagle.drafter_folder import WEIGHTS_ENTRY, read_drafter_meta, read_weights
     from beagle.registry import form_named, resolve
 
     drafter_dir, run_config = _drafter_folder(run)
     meta = read_drafter_meta(drafter_dir / "config.json")
     form = form_named(meta.get("drafter_type"), where=f"{drafter_dir / 'config.json'}: drafter_type")
     export_format = form.export_format(fmt)  # the form's row says which formats it can be written in
-    read_weights(drafter_dir / "model.safetensors", check_only=True)  # damage is found before any format copies it
+    read_weights(drafter_dir / "model.safetensors", check_only=True,  # damage is found before any format copies it
+                 checksum=meta.get(WEIGHTS_ENTRY))
     options = {"embed_tokens": embed_tokens, "dtype": torch_dtype(dtype), "speculative_tokens": speculative_tokens}
     options = {name: options[name] for name in export_format.takes} | export_format.fixed
     destination = (drafter_dir, _target(target_dir, meta, run_config), out_dir) if export_format.needs_target \
