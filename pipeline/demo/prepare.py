@@ -271,20 +271,19 @@ def _build_mtbench(cache: DemoCache, source: packages.LocatedFile, config: Prepa
     return record
 
 
-def _build_code(cache: DemoCache, source: packages.LocatedFile, config: PrepareConfig, progress: Progress) -> dict:
-    record = {"source": _source_record(source, progress), "path": "code/humaneval.jsonl"}
-    written = task_sets.write_records(task_sets.load_humaneval(source.path), cache.code_path)
-    progress.finish(f"humaneval: {written} problems -> {record['path']}")
-    record.update(questions=written)
-    return record
+def _prompt_set_builder(label: str, relative: str, load: Callable[[Path], list[dict]]):
+    """A builder writing the prompt records `load` reads from a packaged file to `relative` in the cache."""
+    def build(cache: DemoCache, source: packages.LocatedFile, config: PrepareConfig, progress: Progress) -> dict:
+        record = {"source": _source_record(source, progress), "path": relative}
+        written = task_sets.write_records(load(source.path), cache.root / relative)
+        progress.finish(f"{label}: {written} prompts -> {relative}")
+        record.update(questions=written)
+        return record
+    return build
 
 
-def _build_math(cache: DemoCache, source: packages.LocatedFile, config: PrepareConfig, progress: Progress) -> dict:
-    record = {"source": _source_record(source, progress), "path": "math/gsm8k.jsonl"}
-    written = task_sets.write_records(task_sets.load_gsm8k_questions(source.path), cache.math_path)
-    progress.finish(f"gsm8k: {written} questions -> {record['path']}")
-    record.update(questions=written)
-    return record
+_build_code = _prompt_set_builder("humaneval", "code/humaneval.jsonl", task_sets.load_humaneval)
+_build_math = _prompt_set_builder("gsm8k", "math/gsm8k.jsonl", task_sets.load_gsm8k_questions)
 
 
 def _link_or_copy(source: str, destination: str) -> None:
