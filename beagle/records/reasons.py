@@ -55,6 +55,8 @@ class RejectReason(enum.StrEnum):
                                   "rendering a prefix of the conversation is not a prefix of the whole")
     NO_LOSS_TOKENS = "no_loss_tokens", "no assistant token is left (after truncation at --max-length)"
     PROMPT_TOO_LONG = "prompt_too_long", "the first turn's prompt is longer than --max-prompt-length tokens"
+    NON_FINITE_STATES = ("non_finite_states", "extraction: the target's hidden states of this record hold an inf "
+                         "or NaN (it overflows in --dtype, typically float16); never stored")
 
 
 class RejectRecord(Exception):

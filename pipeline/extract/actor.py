@@ -30,23 +30,35 @@ def _tokenizer(model_path: str, trust_remote_code: bool) -> Any:
 
 
 def tokenize_records(tokenizer: Any, records: list[Record], *, max_length: int) -> list[tuple[str, dict]]:
-    """("sample", {sample_id, input_ids, loss_mask, truncated}) or ("reject", {source, index, reason...})."""
+    """("sample", {sample_id, input_ids, loss_mask, truncated, where}) or ("reject", {source, index, reason...}).
+
+    A sample keeps `where` its record is ({source, index, line}), for a reject found after tokenizing
+    (non-finite states, on the forward actor)."""
     out: list[tuple[str, dict]] = []
     for record in records:
+        where = {"source": record.source, "index": record.index}
+        if record.line is not None:
+            where["line"] = record.line
         try:
             tokenized = tokenize_record(tokenizer, record, max_length=max_length)
         except Exception as error:  # noqa: BLE001 - one odd record must not fail a whole tokenize task
             reject = error if isinstance(error, RejectRecord) else RejectRecord(
                 RejectReason.TOKENIZER_ERROR, f"{type(error).__name__}: {str(error)[:200]}")
-            where = {"source": record.source, "index": record.index}
-            if record.line is not None:
-                where["line"] = record.line
             out.append(("reject", reject.as_dict(**where, sample_id=record.sample_id)))
             continue
         out.append(("sample", {"sample_id": record.sample_id, "input_ids": tokenized.input_ids,
                                "loss_mask": tokenized.loss_mask, "truncated": tokenized.truncated,
-                               "dropped_leading_assistant": record.dropped_leading_assistant}))
+                               "dropped_leading_assistant": record.dropped_leading_assistant, "where": where}))
     return out
+
+
+def non_finite_reject(sample: dict[str, Any], layers: list[int], dtype: str) -> dict[str, Any]:
+    """The rejects file's row for a sample whose states hold an inf or NaN: where its record is, as for
+    every reject, so that the user finds the record."""
+    return RejectRecord(RejectReason.NON_FINITE_STATES,
+                        f"inf or NaN in the target's hidden states (captured layers {list(layers)}): the target "
+                        f"overflows in {dtype}; extract in bfloat16 or float32").as_dict(
+        **sample.get("where", {}), sample_id=sample["sample_id"])
 
 
 def tokenize_chunk(records: list[Record], *, model_path: str, trust_remote_code: bool,
@@ -63,7 +75,9 @@ class ShardExtractor:
     hashed and written the next shard's forward already runs, and the device never waits for the disk. At
     most one shard waits for its write behind the one being forwarded: the back-pressure when the writer
     falls behind. A write that fails (a full disk) returns its error as data; its shard is never committed,
-    and the driver stops the job.
+    and the driver stops the job. A sample whose states are not finite is left out of its shard and recorded
+    in the shard's shard.json as a reject (`non_finite_reject`); the shard is committed even when that leaves
+    it empty, so shard numbering never depends on the forward.
 
     Also writes the store's head (embedding + LM head) once if it is not there yet: every actor holds
     the model already, and the head write is atomic, so two actors (or threads) racing write the same bytes.
@@ -87,22 +101,28 @@ class ShardExtractor:
         self._head_done = True
 
     def extract(self, shard_index: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        """Forward and commit shard `shard_index` ({sample_id, input_ids [L], loss_mask [L]} per sample).
+        """Forward and commit shard `shard_index` ({sample_id, input_ids [L], loss_mask [L], where} per sample).
 
-        Returns {"shard_index", "info": the committed shard's info, or {"os_error": {errno, strerror,
-        filename}}, "seconds": forward + write, "forward_seconds", "spans": [forward start, forward end,
-        committed] (time.time()), "pid", "node"}."""
+        Returns {"shard_index", "info": the committed shard's info (its `rejects`: the samples left out for
+        non-finite states), or {"os_error": {errno, strerror, filename}}, "seconds": forward + write,
+        "forward_seconds", "spans": [forward start, forward end, committed] (time.time()), "pid", "node"}."""
         from pipeline.extract.state_encoding import write_shard
 
         with self._forward_lock:  # one forward at a time on the device; the other thread writes meanwhile
             forward_started = time.time()
             states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
             forward_ended = time.time()
+        rows = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+                 "hidden_states": h} for s, h in zip(samples, states) if h is not None]
+        rejects = [non_finite_reject(s, self.forward.layers, self.config.dtype)
+                   for s, h in zip(samples, states) if h is None]
+        if rejects:
+            logger.warning("shard %d: %d of %d samples have non-finite states (first: %s); rejected",
+                           shard_index, len(rejects), len(samples), rejects[0]["sample_id"])
         try:
-            rows = [{"sample_id": s["sample_id"], "input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-                     "hidden_states": h} for s, h in zip(samples, states)]
             info: dict[str, Any] = write_shard(self.store_url, int(shard_index), rows, layers=self.forward.layers,
-                                               dtype=self.encoding.dtype, compression=self.encoding.codec)
+                                               dtype=self.encoding.dtype, compression=self.encoding.codec,
+                                               hidden_size=self.forward.hidden_size, rejects=rejects)
             if not self._head_done:
                 self._ensure_head()
         except OSError as error:

@@ -94,7 +94,8 @@ class TargetForward:
             self.device = model.get_input_embeddings().weight.device
         self.model = model
         self.base = base_model(model)
-        self.num_layers = facts_from_config(model.config, where=f"--model {config.model_path}").num_hidden_layers
+        facts = facts_from_config(model.config, where=f"--model {config.model_path}")
+        self.num_layers, self.hidden_size = facts.num_hidden_layers, facts.hidden_size
         self.layers = normalize_layers(config.layers, self.num_layers)
         logger.info("loaded %s on %s (%s), capturing layers %s", config.model_path, self.device,
                     config.dtype, self.layers)
@@ -108,8 +109,10 @@ class TargetForward:
         return {"embed_tokens": embed, "lm_head": lm_head}
 
     @torch.inference_mode()
-    def forward_batch(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
-        """One padded forward over `sequences`; returns [n_layers, L_i, d] per sequence.
+    def forward_batch(self, sequences: list[np.ndarray]) -> list[torch.Tensor | None]:
+        """One padded forward over `sequences`; returns [n_layers, L_i, d] per sequence, or None for a
+        sequence whose states hold an inf or NaN in any captured layer (a target that overflows in its
+        dtype, typically float16): such states must never reach a store, and the caller rejects the record.
 
         Right padding with an attention mask: a real token only attends to earlier real tokens (causal),
         and the padded tail is cut off, so padding never reaches a stored state.
@@ -125,15 +128,24 @@ class TargetForward:
         with LayerCapture(self.base, self.layers) as capture:
             output = self.base(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                output_hidden_states=capture.output_hidden_states, use_cache=False)
-        stacked = states_to_host(capture.states(output))  # [B, n_layers, L, d]
-        del output, capture
+        states = capture.states(output)  # n_layers x [B, L, d]
+        # One reduction per layer over the whole padded batch, queued on its device before the copy and read
+        # after it (states_to_host waits for the device anyway): no wait of its own, no sync per token.
+        finite = [torch.isfinite(state).all() for state in states]
+        stacked = states_to_host(states)  # [B, n_layers, L, d]
+        del output, capture, states
         # Per-sample slices stay views of the batch until the shard is written.
-        return [stacked[row, :, :len(sequence)] for row, sequence in enumerate(sequences)]
+        rows = [stacked[row, :, :len(sequence)] for row, sequence in enumerate(sequences)]
+        if all(bool(flag) for flag in finite):
+            return rows
+        # Rare: look at each sample alone, its real tokens only (a padded tail may overflow where it does not).
+        return [row if bool(torch.isfinite(row).all()) else None for row in rows]
 
-    def hidden_states(self, sequences: list[np.ndarray]) -> list[torch.Tensor]:
-        """Hidden states of every sequence, in input order, batched by `config.batch_tokens`."""
+    def hidden_states(self, sequences: list[np.ndarray]) -> list[torch.Tensor | None]:
+        """Hidden states of every sequence, in input order, batched by `config.batch_tokens` (None where
+        they are not finite, as `forward_batch` says)."""
         result: list[torch.Tensor | None] = [None] * len(sequences)
         for batch in plan_batches([len(s) for s in sequences], self.config.batch_tokens):
             for position, states in zip(batch, self.forward_batch([sequences[i] for i in batch])):
                 result[position] = states
-        return result  # type: ignore[return-value]
+        return result

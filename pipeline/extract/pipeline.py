@@ -268,8 +268,10 @@ def _stream_shards(prepared: Prepared, url: str, progress: Progress | None) -> S
         raise
     forwarded.seconds = run.seconds
     batch_tokens = forward_config[0].batch_tokens if forward_config else config.batch_tokens
-    return Streamed(counts, sorted_rejects(config.data, records.rejects, counts.rejects), run.chunks, run.kept,
-                    forwarded, batch_tokens)
+    # Samples the actors left out (non-finite states) are in their shards' shard.json, kept shards' too.
+    forward_rejects = [reject for info in run.kept + forwarded.infos for reject in info.get("rejects", ())]
+    return Streamed(counts, sorted_rejects(config.data, records.rejects, counts.rejects, forward_rejects),
+                    run.chunks, run.kept, forwarded, batch_tokens)
 
 
 def _discard_shards(url: str, indices: list[int]) -> None:
@@ -315,7 +317,7 @@ def _dispatcher(prepared: Prepared, url: str, pending: int, forwarded: Forwarded
     def on_result(result: dict[str, Any]) -> None:
         info = forwarded.record(result)
         if progress is not None:
-            progress.advance(info["samples"], info["tokens"], this_run=True)
+            progress.advance(info["samples"] + len(info.get("rejects", ())), info["tokens"], this_run=True)
 
     spec = ActorSpec(ShardExtractor, (forward_config, url, config.encoding), method="extract", per_actor=2,
                      concurrency=2, label="forward")
@@ -358,7 +360,12 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
                 abandon_new_store(url)  # so that the rerun, with the final inputs, meets no half-made store
             raise
         summary = _base_summary(streamed.counts, streamed.rejects, dataset_id)
+        shards = streamed.kept + streamed.forwarded.infos
+        # What the shards hold: the tokenized samples less those the actors rejected (non-finite states).
+        summary.samples, summary.tokens, summary.loss_tokens = (sum(info[key] for info in shards)
+                                                                for key in ("samples", "tokens", "loss_tokens"))
         if not summary.samples:
+            _discard_shards(url, [info["index"] for info in shards])  # empty ones, when the actors rejected all
             if state == "new":
                 abandon_new_store(url)  # nothing written: the corrected rerun must not meet a half-made store
             if not summary.rejected:
@@ -368,8 +375,7 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
                              "nothing to extract; check the input format and --max-length")
         summary.forward_seconds = streamed.forwarded.seconds
         summary.forward_tokens = sum(i["tokens"] for i in streamed.forwarded.infos)
-        _commit_store(prepared, url, dataset_id, facts, summary, streamed.rejects,
-                      streamed.kept + streamed.forwarded.infos, streamed.batch_tokens)
+        _commit_store(prepared, url, dataset_id, facts, summary, streamed.rejects, shards, streamed.batch_tokens)
     summary.shards, summary.shards_resumed, summary.state = streamed.shards, len(streamed.kept), state
     _add_run_facts(summary, streamed.forwarded, url, started)
     return summary
@@ -420,6 +426,8 @@ def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str
                          "dropped_leading_assistant": summary.dropped_leading_assistant,
                          "loss_mask_method": "generation_markers" if has_generation_markers(prepared.tokenizer)
                          else "prefix_diff", "batch_tokens": batch_tokens}}
+    # A shard's rejects stay in its shard.json (for a resume) and go to rejects.jsonl, not into the manifest.
+    shards = [{key: value for key, value in info.items() if key != "rejects"} for info in shards]
     commit_manifest(url, dataset_id=dataset_id, **facts, shards=shards, rejected=summary.rejected_by_reason,
                     extra=extra)
 

@@ -7,7 +7,7 @@ as codes with per-token scales (rounded by torch), the head as the bytes of a sa
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,10 +78,12 @@ def head_payload(*, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> bytes:
 
 
 def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *, layers: list[int],
-                dtype: str, compression: str | None = None) -> dict:
-    """`pipeline.store.write_shard` for samples holding tensors; returns the shard's info."""
+                dtype: str, compression: str | None = None, hidden_size: int | None = None,
+                rejects: Sequence[Mapping[str, Any]] = ()) -> dict:
+    """`pipeline.store.write_shard` for samples holding tensors (`hidden_size` and `rejects` as there);
+    returns the shard's info."""
     return writer.write_shard(url, shard_index, [storage_sample(s, dtype) for s in samples], layers=layers,
-                              dtype=dtype, compression=compression)
+                              dtype=dtype, compression=compression, hidden_size=hidden_size, rejects=rejects)
 
 
 def write_head(url: str, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor) -> None:

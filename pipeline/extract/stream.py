@@ -115,8 +115,9 @@ def _popping(head: list[list[Record]], rest: Iterator[list[Record]]) -> Iterator
 def form_shards(results: Iterable[tuple[str, dict]], samples_per_shard: int,
                 counts: SampleCounts) -> Iterator[tuple[int, list[dict[str, Any]]]]:
     """(shard index, its samples) for every `samples_per_shard` consecutive samples, and the last, smaller
-    one; each sample reduced to what the forward actor stores ({sample_id, input_ids, loss_mask}).
-    Samples and rejects are added to `counts` as they pass."""
+    one; each sample reduced to what the forward actor stores ({sample_id, input_ids, loss_mask}) and where
+    its record is (`where`, for a reject the actor finds). Samples and rejects are added to `counts` as they
+    pass."""
     shard: list[dict[str, Any]] = []
     index = 0
     for kind, value in results:
@@ -124,7 +125,7 @@ def form_shards(results: Iterable[tuple[str, dict]], samples_per_shard: int,
             counts.rejects.append(value)
             continue
         counts.add(value)
-        shard.append({key: value[key] for key in ("sample_id", "input_ids", "loss_mask")})
+        shard.append({key: value[key] for key in ("sample_id", "input_ids", "loss_mask", "where")})
         if len(shard) == samples_per_shard:
             yield index, shard
             index, shard = index + 1, []

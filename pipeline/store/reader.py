@@ -101,7 +101,8 @@ class _Shard:
         if table.num_rows != self.info["samples"]:
             raise StoreFormatError(f"{path}: {table.num_rows} samples, manifest says {self.info['samples']}; "
                                    "run `beagle-pipeline verify`")
-        input_ids, loss_mask = table.column("input_ids").chunk(0), table.column("loss_mask").chunk(0)
+        # combine_chunks, not chunk(0): the table of an empty shard (every sample dropped) has no chunk
+        input_ids, loss_mask = table.column("input_ids").combine_chunks(), table.column("loss_mask").combine_chunks()
         return {
             "sample_id": table.column("sample_id").to_pylist(),
             "length": table.column("length").to_numpy(),

@@ -12,7 +12,7 @@ import os
 import shutil
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -155,16 +155,22 @@ def store_lock(url: str) -> Iterator[None]:
 
 
 def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *, layers: list[int],
-                dtype: str, compression: str | None = None) -> dict:
+                dtype: str, compression: str | None = None, hidden_size: int | None = None,
+                rejects: Sequence[Mapping[str, Any]] = ()) -> dict:
     """Write one whole shard atomically and return its info (counts, bytes, checksum of every file).
 
     samples: dicts of numpy arrays: `sample_id` (str), `input_ids` [L], `loss_mask` [L], `hidden_states`
     [n_layers, L, d] in storage form (bf16 as its uint16 bit pattern; for float8_e4m3, the uint8 codes plus
     `hidden_scales` float32 [n_layers, L]). Torch callers go through `pipeline.extract.state_encoding`.
     Safe to call from many processes at once as long as each shard index has one writer.
+
+    `rejects`: rows of the records the producer dropped from this shard after it was formed (extraction's
+    non-finite states), kept in its shard.json: a resumed job that keeps the shard still counts them. A
+    shard may then hold no sample at all (every one dropped): it is written with empty arrays of width
+    `hidden_size`, so that shard numbering, which a resume relies on, never depends on what was dropped.
     """
-    if not samples:
-        raise ValueError(f"shard {shard_index}: no samples to write")
+    if not samples and hidden_size is None:
+        raise ValueError(f"shard {shard_index}: no samples to write (give hidden_size for an empty shard)")
     fs, root = fmt.open_fs(url)
     name = fmt.shard_name(shard_index)
     final_dir = fmt.join(root, fmt.SHARDS_DIR, name)
@@ -176,7 +182,7 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
     fs.makedirs(build_dir, exist_ok=True)
 
     table, parts_by_layer, scales_by_layer, counts = _encode_samples(samples, layers=layers, dtype=dtype,
-                                                                     where=name)
+                                                                     where=name, hidden_size=hidden_size)
     with fs.open(fmt.join(build_dir, fmt.SAMPLES_FILE), "wb") as handle:
         with pa.ipc.new_stream(handle, table.schema) as writer:  # stream format: what `datasets` reads
             writer.write_table(table)
@@ -185,12 +191,14 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
     for index, (layer, parts) in enumerate(zip(layers, parts_by_layer)):
         if scales_by_layer:
             write_scale_array(store, fmt.scale_array_name(layer), scales_by_layer[index], layer=layer)
-        if local and compression in (None, "none"):
+        if local and compression in (None, "none") and parts:
             raw_files.append(plan_raw_hidden_array(store, build_dir, fmt.hidden_array_name(layer), parts,
                                                    logical_dtype=dtype, layer=layer))
-        else:
-            write_hidden_array(store, fmt.hidden_array_name(layer), np.concatenate(parts, axis=0),
-                               logical_dtype=dtype, layer=layer, compression=compression)
+        else:  # compressed, on object storage, or an empty shard ([0, d]: zarr writes only its metadata)
+            values = np.concatenate(parts, axis=0) if parts else np.zeros((0, counts["hidden_size"]),
+                                                                          fmt.storage_dtype(dtype))
+            write_hidden_array(store, fmt.hidden_array_name(layer), values, logical_dtype=dtype, layer=layer,
+                               compression=compression)
     hashed = write_raw_files(raw_files)
 
     files = {}
@@ -200,6 +208,8 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
         files[f"{fmt.SHARDS_DIR}/{name}/{relative}"] = checksum_entry(DEFAULT_CHECKSUM, digest, size)
     info = {"name": name, "index": shard_index, **counts, "bytes": sum(f["bytes"] for f in files.values()),
             "files": files}
+    if rejects:
+        info["rejects"] = [dict(reject) for reject in rejects]
     atomic.write_bytes(fmt.join(build_dir, fmt.SHARD_INFO), fmt.canonical_json(info), fs=fs)
     if local:
         # An earlier attempt may have committed this shard already: identical content, keep that one.
@@ -208,14 +218,15 @@ def write_shard(url: str, shard_index: int, samples: list[Mapping[str, Any]], *,
     return info
 
 
-def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtype: str,
-                    where: str) -> tuple[pa.Table, list[list[np.ndarray]], list[np.ndarray], dict]:
+def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtype: str, where: str,
+                    hidden_size: int | None = None) -> tuple[pa.Table, list[list[np.ndarray]], list[np.ndarray], dict]:
     """Validate samples and lay them out: one Arrow table; per layer, the samples' [L_i, d] rows in order
-    (left unconcatenated: the raw writer streams them, saving a copy of the shard), and for fp8 the per-token
-    scales of each layer [tokens] (empty otherwise)."""
+    (left unconcatenated: the raw writer streams them, saving a copy of the shard), and for fp8 and int8 the
+    per-token scales of each layer [tokens] (empty otherwise). `hidden_size`, when given, is the width every
+    sample must have (and that of an empty shard's arrays)."""
     ids, lengths, offsets, input_ids, loss_masks, hidden, scales = [], [], [], [], [], [], []
     offset = 0
-    width = None
+    width = hidden_size
     for position, sample in enumerate(samples):
         label = f"{where} sample {position} ({sample.get('sample_id')!r})"
         tokens = np.asarray(sample["input_ids"]).astype(np.int64, copy=False)
@@ -252,7 +263,8 @@ def _encode_samples(samples: list[Mapping[str, Any]], *, layers: list[int], dtyp
         _list_array(loss_masks, pa.uint8()),
     ], schema=SAMPLES_SCHEMA)
     parts = [[states[i] for states in hidden] for i in range(len(layers))]
-    layer_scales = [np.concatenate([s[i] for s in scales]) for i in range(len(layers))] if scales else []
+    layer_scales = [np.concatenate([s[i] for s in scales] or [np.zeros(0, np.float32)]) for i in range(len(layers))] \
+        if dtype in fmt.LOSSY_DTYPES else []
     counts = {"samples": len(ids), "tokens": int(offset),
               "loss_tokens": int(sum(int(m.sum()) for m in loss_masks)), "hidden_size": int(width)}
     return table, parts, layer_scales, counts
