@@ -292,12 +292,19 @@ def summarize(size: DemoSize, out: Path, results: list[StepResult]) -> dict:
         "plots": [str(p) for p in (out / "train" / "curves.png", out / "acceptance.png", out / "eval-by-category.png",
                                    *sorted(out.glob("serve-*-by-category.png"))) if p.is_file()],
         "engine": _engine_summary(out),
-        "by_category": _by_category(evaluation, out),
+        "by_category": _by_category(_engine_eval(out) or evaluation, out),
     }
 
 
+def _engine_eval(out: Path) -> dict | None:
+    """Our eval of the chain vLLM drafts (eval-engine.json), where the engine check ran: like for like."""
+    path = out / "eval-engine.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
 def _by_category(evaluation: dict, out: Path) -> dict[str, dict]:
-    """Per prompt category: our eval's τ and prompts, and vLLM's acceptance length in float32 (where it ran)."""
+    """Per prompt category: our eval's τ and prompts (of vLLM's chain where the engine check ran), and vLLM's
+    acceptance length in float32 (where it ran)."""
     ours = ((evaluation.get("by") or {}).get("groups")) or {}
     serve_path = out / "serve.json"
     served = {}
