@@ -268,8 +268,8 @@ def test_prepare_builds_once_then_does_nothing_then_rebuilds_only_what_changed(f
     assert [json.loads(line)["id"] for line in cache.sharegpt_path.read_text().splitlines()] == ["a_0", "b_0", "c_0"]
     assert manifest["components"]["sharegpt"]["truncated"] is True
     assert len(cache.questions_path.read_text().splitlines()) == 3
-    code = [json.loads(line) for line in cache.code_path.read_text().splitlines()]
-    math = [json.loads(line) for line in cache.math_path.read_text().splitlines()]
+    code = [json.loads(line) for line in cache.prompt_set("code").read_text().splitlines()]
+    math = [json.loads(line) for line in cache.prompt_set("math").read_text().splitlines()]
     assert [(r["question_id"], r["category"]) for r in code] == [("HumanEval/0", "humaneval"), ("HumanEval/1", "humaneval")]
     assert "def f0():" in code[0]["turns"][0]
     assert [(r["question_id"], r["category"], r["turns"]) for r in math][:1] == [("gsm8k/0", "gsm8k", ["What is 0 + 1?"])]
@@ -353,12 +353,12 @@ def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, nat
     cache, out = prep.DemoCache(tmp_path / "cache"), tmp_path / "out"
     for folder in (cache.model_dir, out / "train" / "drafter"):
         folder.mkdir(parents=True)
-    for file in (cache.sharegpt_path, cache.questions_path, cache.code_path, cache.math_path):
+    for file in (cache.sharegpt_path, cache.questions_path, cache.prompt_set("code"), cache.prompt_set("math")):
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text("")
     cache.questions_path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": ["a", "b"]}) + "\n"
                                             for i, c in enumerate(["writing", "writing", "math"])))
-    cache.code_path.write_text(json.dumps({"question_id": "HumanEval/0", "category": "humaneval", "turns": ["c"]}) + "\n")
+    cache.prompt_set("code").write_text(json.dumps({"question_id": "HumanEval/0", "category": "humaneval", "turns": ["c"]}) + "\n")
     steps = run.plan(run.SIZES[size], cache, out, progress=False, native_bf16=native_bf16)
     prompts = run.write_first_turns(cache, out)  # as main() does after prepare
     assert [(r["question_id"], r["turns"]) for r in map(json.loads, prompts.read_text().splitlines())] == [

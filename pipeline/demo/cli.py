@@ -82,7 +82,7 @@ def _print_summary(cache: DemoCache, manifest: dict) -> None:
                f"gguf sha256 {model['source']['sha256'][:12]})")
     click.echo(f"  sharegpt   {cache.sharegpt_path}  ({chats['conversations']} conversations)")
     click.echo(f"  mt-bench   {cache.questions_path}  ({questions['questions']} questions)")
-    for name, path in (("code", cache.code_path), ("math", cache.math_path)):
+    for name, path in (("code", cache.prompt_set("code")), ("math", cache.prompt_set("math"))):
         if name in components:
             click.echo(f"  {name:<10} {path}  ({components[name]['questions']} prompts)")
     sys.stdout.flush()

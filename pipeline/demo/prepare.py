@@ -60,6 +60,9 @@ class LogProgress:
         logger.info("%s", message)
 
 
+PROMPT_SETS = {"code": "code/humaneval.jsonl", "math": "math/gsm8k.jsonl"}  # in the cache, by component
+
+
 @dataclass(frozen=True)
 class DemoCache:
     """The paths inside a prepared demo cache."""
@@ -82,13 +85,9 @@ class DemoCache:
     def questions_path(self) -> Path:
         return self.root / "mtbench" / "question.jsonl"
 
-    @property
-    def code_path(self) -> Path:
-        return self.root / "code" / "humaneval.jsonl"
-
-    @property
-    def math_path(self) -> Path:
-        return self.root / "math" / "gsm8k.jsonl"
+    def prompt_set(self, name: str) -> Path:
+        """The prompt records of a packaged set: "code" (HumanEval) or "math" (GSM8K), PROMPT_SETS."""
+        return self.root / PROMPT_SETS[name]
 
     def read_manifest(self) -> dict | None:
         """The prep manifest, or None when the cache is absent or was never completed."""
@@ -282,8 +281,8 @@ def _prompt_set_builder(label: str, relative: str, load: Callable[[Path], list[d
     return build
 
 
-_build_code = _prompt_set_builder("humaneval", "code/humaneval.jsonl", task_sets.load_humaneval)
-_build_math = _prompt_set_builder("gsm8k", "math/gsm8k.jsonl", task_sets.load_gsm8k_questions)
+_build_code = _prompt_set_builder("humaneval", PROMPT_SETS["code"], task_sets.load_humaneval)
+_build_math = _prompt_set_builder("gsm8k", PROMPT_SETS["math"], task_sets.load_gsm8k_questions)
 
 
 def _link_or_copy(source: str, destination: str) -> None:

@@ -187,7 +187,7 @@ def write_first_turns(cache: DemoCache, out: Path) -> Path:
     def read(path: Path) -> list[dict]:
         return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
-    records = task_sets.one_per_category(read(cache.questions_path), read(cache.code_path), read(cache.math_path))
+    records = task_sets.one_per_category(read(cache.questions_path), read(cache.prompt_set("code")), read(cache.prompt_set("math")))
     path = out / FIRST_TURNS
     task_sets.write_records(records, path)
     return path
