@@ -51,6 +51,7 @@ def unlimited_forward() -> None:
         self.num_layers = architecture["num_hidden_layers"]
         self.layers = forward.normalize_layers(config.layers, self.num_layers)
         width, vocab = architecture["hidden_size"], architecture["vocab_size"]
+        self.hidden_size = width
         generator = torch.Generator().manual_seed(0)
         tokens = max(config.batch_tokens,  # 1 GiB, or 64 batches where that is less (narrow test widths)
                      min((1 << 30) // (len(self.layers) * width * 2), 64 * config.batch_tokens))
