@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save
 from torch import Tensor
 
 from beagle.model import DrafterConfig
-from beagle.registry import build_drafter, form_named
+from beagle.registry import form_named
 from pipeline.store import atomic
 from pipeline.store.hashing import BLAKE3, bytes_checksum, checksum_entry, entry_checksum, new_digest, update_from_file
 
@@ -119,7 +119,7 @@ def load_drafter(directory: str | os.PathLike, *, embed_tokens: Tensor, lm_head:
     form = form_named(meta.get("drafter_type"), where=f"{config_path}: drafter_type")
     names = DrafterConfig.__dataclass_fields__.keys()
     config = DrafterConfig.from_dict({k: meta[k] for k in names if k in meta})
-    model = build_drafter(form, config, embed_tokens, lm_head)
+    model = form.build(config, embed_tokens, lm_head)
     state = read_weights(weights_path, checksum=meta.get(WEIGHTS_ENTRY))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -232,8 +232,6 @@ def bare_drafter(model: Any) -> tuple[Any, "Tensor | None"]:
     return (model if columns is None else model.drafter), columns
 
 
-def build_drafter(form: DrafterForm, config: Any, embed_tokens: "Tensor", lm_head: "Tensor") -> "nn.Module":
-    return form.build(config, embed_tokens, lm_head)
 
 
 def capture_layers(forms: Iterable[str] | None, num_layers: int) -> list[int]:
