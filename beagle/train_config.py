@@ -36,6 +36,8 @@ class TrainConfig:
     residual: str = "embedding"           # embedding | state: the Beagle residual stream (docs/method.md §9)
     key_layers: tuple[int, ...] | None = None  # residual state: which captured layers (0..n-1) make keys; None: all
     query_state: bool = False             # residual state: queries also read the previous state (EAGLE-3's full q)
+    init_from_target: str | None = None   # local HF model folder: start the block from its decoder layer init_layer
+    init_layer: int = -1                  # which decoder layer (negative: from the end)
     # optimisation
     batch_tokens: int = 4096              # padded tokens per batch (B * max length), the global batch under DDP
     rank_batch_tokens: int | None = None  # instead: tokens per data-parallel rank; global = this x world size

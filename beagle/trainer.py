@@ -32,6 +32,7 @@ from beagle.model import DrafterConfig, restrict_loss_vocabulary
 from beagle.precision import autocast, keep_frozen_head_in, training_dtype
 from beagle.registry import form_for
 from beagle.stages import StageSettings
+from beagle.target_init import init_from_target
 from beagle.train_config import TrainConfig
 from beagle.validation import ValidationSet, evaluate, metrics_record, open_validation
 
@@ -242,7 +243,10 @@ def _build_drafter(data: StoreSet, config: TrainConfig, device: torch.device, dt
     head = data.load_head()
     torch.manual_seed(config.seed)
     form = form_for(config.drafter, config.residual)
-    model = form.build(drafter_config, head["embed_tokens"].float(), head["lm_head"].float()).to(device)
+    model = form.build(drafter_config, head["embed_tokens"].float(), head["lm_head"].float())
+    if config.init_from_target is not None:
+        init_from_target(model, config.init_from_target, config.init_layer, store_target=data.target)
+    model = model.to(device)
     draft_tokens = _draft_vocabulary(data, config, drafter_config.vocab_size, held_out)
     if draft_tokens is not None:
         restrict_loss_vocabulary(model, draft_tokens)

@@ -35,6 +35,12 @@ LEVERS: dict[str, list[str]] = {
     "ttt-3": ["--window-size", "3", "--simulation-steps", "3"],  # trained depth = the k the engine serves
     "lr-3e-3": ["--lr", "3e-3"],
     "query-state": ["--query-state"],                            # EAGLE-3's q over [embedding, state]
+    "stage2-from-start": ["--stage1-epochs", "0"],               # TTT from the first step, as speculators trains
+    "ttt-3-from-start": ["--window-size", "3", "--simulation-steps", "3", "--stage1-epochs", "0"],
+    "no-regression": ["--regression-weight", "0"],               # token loss only (speculators: KL alone)
+    "no-noise": ["--noise-std", "0"],                            # no key noise (speculators adds none)
+    "init-target": ["--init-from-target", str(DEMO_MODEL)],      # the block starts as the target's last layer
+    "init-target-ttt-3": ["--init-from-target", str(DEMO_MODEL), "--window-size", "3", "--simulation-steps", "3"],
 }
 
 

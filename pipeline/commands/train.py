@@ -110,6 +110,12 @@ def _config_option(name: str, *decls: str, help: str, **kwargs: Any):
 @_config_option("query_state", "--query-state/--no-query-state",
                 help="With --residual state: the queries also read the previous state (EAGLE-3's q over "
                      "[embedding; state]; still one EAGLE-3 layer), not the embedding alone.")
+@_config_option("init_from_target", "--init-from-target", type=click.Path(file_okay=False),
+                help="A local Hugging Face folder of the store's target: start the block from its decoder layer "
+                     "--init-layer (attention, MLP, norms; the output norm from its final norm) instead of noise. "
+                     "Only its safetensors are read; the target never runs (docs/training.md).")
+@_config_option("init_layer", "--init-layer", type=int,
+                help="With --init-from-target: which decoder layer (negative counts from the end).")
 @_config_option("detach_feedback", "--detach-feedback/--no-detach-feedback",
                 help="Cut gradients through fed-back predicted states in stage 2.")
 @_config_option("vocab_chunk", "--vocab-chunk", type=int,
