@@ -254,7 +254,7 @@ def _sampling_control(report: dict, plain_runs: dict[tuple, dict]) -> None:
 def _pictures(report: dict, out: Path) -> None:
     """Speedup against concurrency (one line per dtype and temperature) and acceptance per group."""
     from bench.serve_analysis import crossover, plot_concurrency
-    from pipeline.commands.acceptance_plots import plot_groups
+    from pipeline.commands.acceptance_plots import group_chart_path, plot_groups
 
     rows = [r for r in report["sweep"] if "error" not in r]
     lines: dict[str, list[dict]] = {}
@@ -268,7 +268,7 @@ def _pictures(report: dict, out: Path) -> None:
     for row in rows:
         groups = row.get("by_group") or {}
         if row["temperature"] == 0 and row["concurrency"] == 1 and len(groups) > 1:
-            path = out.with_name(f"{out.stem}-{row['dtype']}-by-{report['by']}.png")
+            path = group_chart_path(out, report['by'], infix=row['dtype'])
             plot_groups({name: {"acceptance_length": g["acceptance_length"] or 0.0,
                                 "per_depth_acceptance": g["per_position_acceptance"],
                                 "per_depth_attempts": g["per_position_drafts"]} for name, g in groups.items()},

@@ -1,5 +1,6 @@
 """`beagle-pipeline eval` end to end on a tiny saved target, tokenizer and drafter; prompt files."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,3 +298,10 @@ def test_eval_reports_by_category_with_attempts_and_draws_the_chart(setup):
     assert result.exit_code == 0, result.output
     assert json.loads((out / "flat.json").read_text())["by"] is None and "by category" not in result.output
     assert not (out / "flat-by-.png").exists()
+
+
+def test_a_group_chart_is_named_beside_its_report_whatever_the_field():
+    from pipeline.commands.acceptance_plots import group_chart_path
+    assert group_chart_path(Path("out/eval.json"), "category") == Path("out/eval-by-category.png")
+    assert group_chart_path(Path("out/serve.json"), "meta/source", infix="float32") == Path(
+        "out/serve-float32-by-meta_source.png")

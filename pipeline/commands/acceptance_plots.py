@@ -6,6 +6,7 @@ FEW_ATTEMPTS).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -47,6 +48,15 @@ def plot_acceptance(per_depth: Sequence[float | None], attempts: Sequence[int], 
     axis.set_xticks(depths)
     axis.set_title(title, fontsize=9)
     _save(figure, path)
+
+
+def group_chart_path(beside: Path, field: str, infix: str = "") -> Path:
+    """Where the by-`field` chart of the JSON report `beside` goes: `<stem>[-infix]-by-<field>.png` next to it.
+
+    The field is a record key the user named (`--by`); anything but letters, digits, '.', '_' and '-' becomes
+    '_', so a key like "meta/source" names a file, not a subfolder."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", field) or "_"
+    return beside.with_name(f"{beside.stem}{'-' + infix if infix else ''}-by-{safe}.png")
 
 
 def plot_groups(groups: dict[str, dict], path: Path, title: str, *, few: int) -> None:

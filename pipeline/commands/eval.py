@@ -10,7 +10,7 @@ import click
 
 from beagle.devices import DTYPES
 from beagle.decoding.tree import DraftConfig
-from pipeline.commands.acceptance_plots import plot_acceptance, plot_groups
+from pipeline.commands.acceptance_plots import group_chart_path, plot_acceptance, plot_groups
 from pipeline.commands.errors import reports_errors
 from pipeline.commands.options import default_option
 from pipeline.jobkit.rejects import count_reasons, format_reasons
@@ -184,7 +184,7 @@ def evaluate(model_path, drafter_dir, prompts_path, max_new_tokens, chain, depth
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         if report["by"]:
-            chart = Path(json_path).with_name(f"{Path(json_path).stem}-by-{group_field}.png")
+            chart = group_chart_path(Path(json_path), group_field)
             plot_groups(report["by"]["groups"], chart, title, few=report["few_attempts"])
             click.echo(f"acceptance by {group_field}: {chart}")
     if answers_path:
