@@ -162,15 +162,19 @@ def stage_epochs(store: Path, size: PeerSize) -> tuple[int, int]:
     return stage1, max(1, -(-(size.steps - stage1 * per_epoch) // per_epoch))
 
 
-def ours_commands(size: PeerSize, out: Path, target: Path) -> list[tuple[str, list[str]]]:
+def ours_commands(size: PeerSize, out: Path, target: Path, extra: list[str] = (),
+                  steps: int | None = None) -> list[tuple[str, list[str]]]:
+    """Our train and export commands: the demo's recipe, then `extra` train flags (a lever under study, which
+    may override any of them; the last value of a flag wins), for `steps` (default the size's, as theirs)."""
     cli = beagle_pipeline()
+    size = PeerSize(**{**asdict(size), "steps": steps or size.steps})
     stage1, stage2 = stage_epochs(out / "store", size)
     return [
         ("ours-train", [*cli, "train", "--store", str(out / "store"), "--out", str(out / "ours"),
                         "--residual", "state", "--max-steps", str(size.steps), "--stage1-epochs", str(stage1),
                         "--stage2-epochs", str(stage2), "--batch-tokens", str(size.batch_tokens),
                         "--max-length", str(size.max_length), "--draft-vocab", str(size.draft_vocab),
-                        "--lr", "1e-3", "--warmup-steps", "20", "--no-progress"]),
+                        "--lr", "1e-3", "--warmup-steps", "20", "--no-progress", *extra]),
         ("ours-export", [*cli, "export", str(out / "ours"), "--format", "eagle3", "--target", str(target),
                          "--out", str(out / "ours-eagle3"), "--force"]),
     ]
@@ -222,6 +226,18 @@ def theirs_checkpoint(out: Path) -> Path:
     return max(folders, key=lambda p: int(p.name))
 
 
+def _can_keep_theirs(previous: dict, report: dict, out: Path) -> bool:
+    """Whether an earlier run's speculators drafter answers the same question: same size (steps, tokens per
+    step, data), target, prompts and dtype, its training recorded and its checkpoint still on disk."""
+    same = all(previous.get(key) == report[key] for key in ("size", "target", "prompts", "dtype"))
+    trained = "theirs-train" in previous.get("steps", {}) and (out / "logs" / "theirs-train.log").is_file()
+    try:
+        theirs_checkpoint(out)
+    except (RuntimeError, FileNotFoundError):
+        return False
+    return same and trained
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the <= 15-minute size: k = 3 only, fewer prompts and steps")
@@ -234,6 +250,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--serve-prompts", type=int, default=None)
     p.add_argument("--ks", default=None, help="num_speculative_tokens to serve, e.g. 1,2,3")
     p.add_argument("--dtype", default="float32", help="vLLM dtype (float32: answers must equal plain decoding)")
+    p.add_argument("--ours-flags", default="",
+                   help="extra `beagle-pipeline train` flags for ours (a lever of docs/benchmarks.md), e.g. "
+                        "\"--init-from-target .cache/demo/model\"; written into the results")
+    p.add_argument("--ours-steps", type=int, default=None,
+                   help="train ours for this many steps instead of the peer's (same tokens per step): the "
+                        "equal-wall-time comparison; the results say so beside P15")
+    p.add_argument("--keep-theirs", action="store_true",
+                   help="reuse speculators' trained drafter and its vLLM runs from an earlier run in --out on the "
+                        "same store and steps (its training takes most of the run); retrain ours only")
     return p.parse_args(argv)
 
 
@@ -250,8 +275,11 @@ def main(argv=None) -> int:
     out = Path(args.out or ROOT / "runs" / f"peer{'-quick' if args.quick else ''}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     target, results_path = Path(args.target).resolve(), out / "peer.json"
+    previous = json.loads(results_path.read_text(encoding="utf-8")) if results_path.is_file() else {}
+    ours_flags = shlex.split(args.ours_flags)
     report: dict = {"size": asdict(size), "machine": machine(), "target": str(target), "prompts": args.prompts,
-                    "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "steps": {}, "serve": {}}
+                    "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "steps": {}, "serve": {},
+                    "ours_flags": ours_flags, "ours_steps": args.ours_steps or size.steps}
 
     def save() -> None:
         results_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -265,12 +293,21 @@ def main(argv=None) -> int:
 
     for name, cmd in data_commands(size, out, target, Path(args.sharegpt)):
         step(name, cmd, cli_env())
-    for previous in (out / "ours", out / "theirs"):  # this script's own earlier training runs: retrained
-        if previous.is_dir():
-            shutil.rmtree(previous)
-    for name, cmd in ours_commands(size, out, target):
+    keep_theirs = args.keep_theirs and _can_keep_theirs(previous, report, out)
+    if args.keep_theirs and not keep_theirs:
+        print("--keep-theirs: no earlier speculators run on this store, size and prompts in "
+              f"{results_path}; training it again", flush=True)
+    for earlier in (out / "ours", *(() if keep_theirs else (out / "theirs",))):  # this script's own runs
+        if earlier.is_dir():
+            shutil.rmtree(earlier)
+    for name, cmd in ours_commands(size, out, target, ours_flags, args.ours_steps):
         step(name, cmd, cli_env())
-    step(*theirs_command(size, out, target), speculators_env())
+    if keep_theirs:
+        report["steps"]["theirs-train"] = previous["steps"]["theirs-train"]
+        report["theirs_reused_from"] = previous["date"]
+        print(f"[theirs-train] kept from the run of {previous['date']}", flush=True)
+    else:
+        step(*theirs_command(size, out, target), speculators_env())
     report["theirs_steps_taken"] = theirs_steps(out / "logs" / "theirs-train.log")
     report["speculators_cpu_changes"] = ("bench/speculators_cpu.py: device 'cpu' for the model and batches, CPU "
                                          "autocast, no accelerator synchronize; flags " +
@@ -284,6 +321,11 @@ def main(argv=None) -> int:
               "max_new_tokens": size.max_new_tokens, "target": target}
 
     def serve(name: str, **kwargs) -> dict:
+        if keep_theirs and name.startswith("theirs-") and name in previous.get("serve", {}) and \
+                (runs / f"{name}.json").is_file():
+            print(f"[vllm {name}] kept from the run of {previous['date']}", flush=True)
+            report["serve"][name] = previous["serve"][name]
+            return {**json.loads((runs / f"{name}.json").read_text(encoding="utf-8")), **previous["serve"][name]}
         print(f"[vllm {name}]", flush=True)
         result = run_vllm(VLLM_PYTHON, runs / f"{name}.json", runs / f"{name}.log", **served, **kwargs)
         if "error" in result:
@@ -311,6 +353,9 @@ def main(argv=None) -> int:
     report["train_peak_memory_ratio"] = ours_train["peak_rss_mib"] / theirs_train["peak_rss_mib"]
     save()
 
+    if report["ours_steps"] != size.steps or ours_flags:
+        print(f"\nours: {report['ours_steps']} steps, extra flags {shlex.join(ours_flags) or '(none)'}; "
+              f"speculators: {size.steps} steps", flush=True)
     print(f"\npeer run {size.name}: {size.steps} steps x {size.batch_tokens} tokens each, "
           f"{size.serve_prompts} prompts x {size.max_new_tokens} tokens served in vLLM ({args.dtype}, greedy)")
     print(f"training  ours {ours_train['seconds']:.0f}s / {ours_train['peak_rss_mib']:.0f} MiB, "
