@@ -21,7 +21,9 @@ its input's scale), so that is what we write, checked on the first sample; a nor
 
 The output appears whole or not at all: samples go into a staging folder beside `--out` (each file written
 under a temporary name and renamed, so a crash leaves whole files only); a rerun against the same store
-resumes from the files there; the finished folder is renamed into place.
+resumes from the files there; the finished folder is renamed into place. Those pieces (`staging_for`,
+`save_atomically`, `write_samples`, `finish_export`, `check_replaceable`) are every format's:
+`--format specforge` (beagle/specforge_features.py) writes SpecForge's `.ckpt` samples with them.
 """
 from __future__ import annotations
 
@@ -51,14 +53,18 @@ NORM_INVERSE_TOLERANCE = 2e-2
 
 @dataclass(frozen=True)
 class FeatureExport:
-    """What `export_speculators` wrote: `samples` files of `tokens` tokens, `target_layer_ids` (the aux layers,
-    for speculators' `--target-layer-ids`), `resumed` of them kept from an interrupted run."""
+    """What an export wrote: `samples` samples of `tokens` tokens, `target_layer_ids` (the aux layers as the
+    trainer numbers them: speculators' `--target-layer-ids`, SpecForge's `aux_hidden_state_layer_ids`),
+    `resumed` of them kept from an interrupted run, `skipped` left out (SpecForge's reader never sees a sample
+    holding NaN), `config` the trainer's run config when the format has one."""
 
     out: Path
     samples: int
     tokens: int
     target_layer_ids: tuple[int, ...]
     resumed: int
+    skipped: int = 0
+    config: Path | None = None
 
 
 def aux_layers_of(layers: list[int]) -> tuple[list[int], int]:
@@ -66,7 +72,7 @@ def aux_layers_of(layers: list[int]) -> tuple[list[int], int]:
     when the store cannot feed an EAGLE-3 trainer (no -1, or nothing else)."""
     if -1 not in layers:
         raise ValueError(f"the store holds layers {layers} without -1 (the state the LM head reads), which "
-                         "speculators' teacher needs; re-extract with the default --layers")
+                         "an EAGLE-3 trainer's teacher needs; re-extract with the default --layers")
     aux = [layer for layer in layers if layer != -1]
     if not aux:
         raise ValueError("the store holds only layer -1; an EAGLE-3 trainer needs aux layers too: re-extract "
@@ -104,19 +110,25 @@ def check_norm_inverse(norm: torch.nn.Module, after_norm: torch.Tensor, gain: to
     return error
 
 
-def _save_sample(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """One `hs_<i>.safetensors`, under a temporary name first: a file at `path` is always whole."""
-    from safetensors.torch import save_file
+def sample_dtype(states: torch.Tensor) -> torch.dtype:
+    """The dtype a sample's states are written in: the store's, when a trainer reads it (bf16, fp32), else bf16
+    (a float8 or int8 store decodes to float32, twice the bytes of what the target computed in)."""
+    return states.dtype if states.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
 
+
+def save_atomically(path: Path, save: Callable[[Path], None]) -> None:
+    """`save(temporary)` under a temporary name beside `path`, then renamed: a file at `path` is always whole.
+    The temporary name starts with '.' and ends in `.tmp-<pid>`, so no trainer's suffix matches it."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({"hidden_states": hidden.contiguous(), "token_ids": token_ids.contiguous()}, str(temporary))
+    save(temporary)
     os.replace(temporary, path)
 
 
-def _staging_for(out: Path, dataset_id: str) -> tuple[Path, int]:
-    """The staging folder beside `out` and how many samples an earlier run against the same store left in it.
-    A staging folder of ours for another store (its marker names another dataset_id) is deleted and begun
-    again; one without our marker is refused, never reused or deleted."""
+def staging_for(out: Path, dataset_id: str, sample_glob: str) -> tuple[Path, int]:
+    """The staging folder beside `out` and how many sample files (`sample_glob`, relative to it) an earlier run
+    against the same store left there; a killed run's temporary files are deleted. A staging folder of ours
+    for another store (its marker names another dataset_id) is deleted and begun again; one without our
+    marker is refused, never reused or deleted."""
     staging = out.with_name(f".{out.name}.incomplete")
     marker = staging / PARTIAL_MARKER
     if staging.exists():
@@ -127,10 +139,45 @@ def _staging_for(out: Path, dataset_id: str) -> tuple[Path, int]:
         if earlier.get("dataset_id") != dataset_id:
             shutil.rmtree(staging)  # ours (its marker says so), of another store: useless for this one
         else:
-            return staging, len(list((staging / HIDDEN_DIR).glob("hs_*.safetensors")))
-    (staging / HIDDEN_DIR).mkdir(parents=True)
+            for leftover in staging.rglob(".*.tmp-*"):
+                leftover.unlink()
+            return staging, len(list(staging.glob(sample_glob)))
+    staging.mkdir(parents=True)
     write_text(marker, json.dumps({"dataset_id": dataset_id}) + "\n")
     return staging, 0
+
+
+SampleWriter = Callable[[int, np.ndarray, np.ndarray, torch.Tensor, Path], bool]
+
+
+def write_samples(store: Any, staging: Path, path_of: Callable[[int], str], write: SampleWriter, *,
+                  progress: Callable[[int], None] | None = None,
+                  on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None) -> tuple[int, int]:
+    """Write each sample of `store` whose file `staging / path_of(i)` is missing, one sample in memory at a
+    time: `write(i, input_ids [L] int64, loss_mask [L] bool, hidden_states [n_layers, L, d], path)` returns
+    False for a sample it leaves out. Every sample's tokens are read (cheap), and handed to `on_tokens`; the
+    states only of samples to write, so a resumed run reads what is left. Returns (tokens, samples left out)."""
+    tokens = skipped = 0
+    for index in range(len(store)):
+        input_ids, loss_mask = store.get_tokens(index)                            # [L], [L]
+        input_ids, loss_mask = np.asarray(input_ids, np.int64), np.asarray(loss_mask).astype(bool)
+        if on_tokens:
+            on_tokens(input_ids, loss_mask)
+        tokens += int(input_ids.shape[0])
+        path = staging / path_of(index)
+        if not path.is_file() and not write(index, input_ids, loss_mask, store[index]["hidden_states"], path):
+            skipped += 1
+        if progress:
+            progress(1)
+    return tokens, skipped
+
+
+def finish_export(staging: Path, out: Path, summary: dict[str, Any]) -> None:
+    """Mark the staging folder a whole export (`summary` in MARKER, what --force looks for) and rename it to
+    `out`, replacing an earlier export there (`check_replaceable` allowed it)."""
+    (staging / PARTIAL_MARKER).unlink()
+    write_text(staging / MARKER, json.dumps(summary, indent=2) + "\n")
+    commit_directory(staging, out, replace=True)
 
 
 def check_replaceable(out: Path, force: bool) -> None:
@@ -161,40 +208,40 @@ def export_speculators(store_url: str, out: str | os.PathLike, *, final_norm: to
     store = open_store(store_url)
     layers = store.layers
     aux, last = aux_layers_of(layers)
-    hidden_size, dataset_id = store.hidden_size, store.dataset_id
-    vocab_size = store.vocab_size or int(store.load_head()["lm_head"].shape[0])
-    gain = norm_gain(final_norm, hidden_size)
-    staging, resumed = _staging_for(out, dataset_id)
-    hidden_dir = staging / HIDDEN_DIR
     aux_index = [layers.index(layer) for layer in aux]
+    vocab_size = store.vocab_size or int(store.load_head()["lm_head"].shape[0])
+    gain = norm_gain(final_norm, store.hidden_size)
+    if len(store):  # checked on the first sample, before anything is written
+        first = store[0]["hidden_states"]                                         # [n_layers, L, d]
+        check_norm_inverse(final_norm, first[last], gain, sample_dtype(first))
+        del first
+    staging, resumed = staging_for(out, store.dataset_id, f"{HIDDEN_DIR}/hs_*.safetensors")
+    (staging / HIDDEN_DIR).mkdir(exist_ok=True)
     counts = np.zeros(vocab_size, dtype=np.int64)
-    tokens = 0
-    for index in range(len(store)):
-        input_ids, loss_mask = store.get_tokens(index)                            # [L] int64, [L] bool
-        np.add.at(counts, input_ids[loss_mask.astype(bool)], 1)
-        tokens += int(input_ids.shape[0])
-        path = hidden_dir / f"hs_{index}.safetensors"
-        if index == 0 or not path.is_file():  # a resumed sample's file is whole: its states are not read
-            states = store[index]["hidden_states"]                                # [n_layers, L, d]
-            dtype = states.dtype if states.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
-            if index == 0:
-                check_norm_inverse(final_norm, states[last], gain, dtype)
-        if not path.is_file():
-            last_state = pre_norm_state(states[last], gain).to(dtype)             # [L, d]
-            stacked = torch.stack([*(states[i].to(dtype) for i in aux_index), last_state], dim=1)
-            _save_sample(path, stacked, torch.from_numpy(np.asarray(input_ids, np.int64)))  # [L, n_aux + 1, d]
-        if progress:
-            progress(1)
+
+    def count(input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        np.add.at(counts, input_ids[loss_mask], 1)
+
+    def write(index: int, input_ids: np.ndarray, loss_mask: np.ndarray, states: torch.Tensor, path: Path) -> bool:
+        from safetensors.torch import save_file
+
+        dtype = sample_dtype(states)
+        last_state = pre_norm_state(states[last], gain).to(dtype)                 # [L, d]
+        stacked = torch.stack([*(states[i].to(dtype) for i in aux_index), last_state], dim=1)  # [L, n_aux + 1, d]
+        tensors = {"hidden_states": stacked.contiguous(), "token_ids": torch.from_numpy(input_ids)}
+        save_atomically(path, lambda temporary: save_file(tensors, str(temporary)))
+        return True
+
+    tokens, _ = write_samples(store, staging, lambda index: f"{HIDDEN_DIR}/hs_{index}.safetensors", write,
+                              progress=progress, on_tokens=count)
     _write_dataset(store, staging, dataset_progress)
     torch.save({int(token): int(count) for token, count in enumerate(counts) if count}, staging / TOKEN_FREQ)
-    summary = {"format": "speculators", "store": store_url, "dataset_id": dataset_id, "layers": layers,
-               "target_layer_ids": aux, "samples": len(store), "tokens": tokens,
-               "hidden_states": "aux layers in target_layer_ids order, then the last layer's state before the "
-                                "final norm (stored state after it / the norm's per-channel gain)",
-               "target": store.manifest.get("target", {})}
-    (staging / PARTIAL_MARKER).unlink()
-    write_text(staging / MARKER, json.dumps(summary, indent=2) + "\n")
-    commit_directory(staging, out, replace=True)
+    finish_export(staging, out, {
+        "format": "speculators", "store": store_url, "dataset_id": store.dataset_id, "layers": layers,
+        "target_layer_ids": aux, "samples": len(store), "tokens": tokens,
+        "hidden_states": "aux layers in target_layer_ids order, then the last layer's state before the final "
+                         "norm (stored state after it / the norm's per-channel gain)",
+        "target": store.manifest.get("target", {})})
     log.info("wrote %d samples (%d tokens) for speculators to %s", len(store), tokens, out)
     return FeatureExport(out=out, samples=len(store), tokens=tokens, target_layer_ids=tuple(aux),
                          resumed=resumed)
