@@ -58,7 +58,16 @@ $(SPECULATORS_STAMP):
 
 speculators-venv: $(SPECULATORS_STAMP)
 
-test: $(STAMP) speculators-venv $(VLLM_STAMP)
+# SpecForge's offline reader (PyPI's specforge 0.2.0, without its dependencies: sglang needs a GPU build), for
+# tests/test_specforge_features.py to read `export-features --format specforge` output with SpecForge's own code.
+SPECFORGE_READER := $(VENV)/specforge-reader
+SPECFORGE_PIN ?= specforge==0.2.0
+
+$(SPECFORGE_READER)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(SPECFORGE_READER) "$(SPECFORGE_PIN)"
+	touch $(SPECFORGE_READER)/.installed
+
+test: $(STAMP) speculators-venv $(VLLM_STAMP) $(SPECFORGE_READER)/.installed
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -rs tests  # -rs: every skip is listed with its reason
 
 test-fast: $(STAMP)
