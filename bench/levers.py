@@ -41,6 +41,10 @@ LEVERS: dict[str, list[str]] = {
     "no-noise": ["--noise-std", "0"],                            # no key noise (speculators adds none)
     "init-target": ["--init-from-target", str(DEMO_MODEL)],      # the block starts as the target's last layer
     "init-target-ttt-3": ["--init-from-target", str(DEMO_MODEL), "--window-size", "3", "--simulation-steps", "3"],
+    "init-target-from-start": ["--init-from-target", str(DEMO_MODEL), "--stage1-epochs", "0"],
+    "init-target-ttt-3-from-start": ["--init-from-target", str(DEMO_MODEL), "--window-size", "3",
+                                     "--simulation-steps", "3", "--stage1-epochs", "0"],
+    "weight-decay-0.1": ["--weight-decay", "0.1"],              # held-out α1 trails training's: regularise
 }
 
 

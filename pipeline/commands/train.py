@@ -90,6 +90,7 @@ def _config_option(name: str, *decls: str, help: str, **kwargs: Any):
                      "the paper's 16 x 2048 on one GPU: --batch-tokens 32768 --max-length 2048 --grad-accum 4).")
 @_config_option("lr", "--lr", type=float, help="Peak learning rate.")
 @_config_option("warmup_steps", "--warmup-steps", type=int, help="Linear warm-up steps.")
+@_config_option("weight_decay", "--weight-decay", type=float, help="AdamW weight decay (decoupled).")
 @_config_option("lr_schedule", "--lr-schedule", type=click.Choice(list(LR_SCHEDULES)),
                 help="After the warm-up: keep the peak rate, or decay it (cosine, linear) to 0 at the last step.")
 @_config_option("noise_std", "--noise-std", type=float, help="Key noise std as a fraction of the states' RMS.")
