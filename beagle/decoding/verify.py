@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from beagle.decoding.attention_layout import attention_layout
+from beagle.decoding.gqa_attention import masked_gqa
 from beagle.decoding.tree import DraftTree
 from beagle.layer_capture import LayerCapture
 
@@ -108,4 +109,5 @@ def verify_tree(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree, pa
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(tree.parents, tree.depths, past_length, dtype, tree.tokens.device, model)
     positions = past_length + tree.depths  # [N+1]
-    return run_target(model, cache, tree.tokens, positions, mask, layers=layers)
+    with masked_gqa(model):  # on a CPU, no per-pass copy of the cache for grouped heads (gqa_attention.py)
+        return run_target(model, cache, tree.tokens, positions, mask, layers=layers)
