@@ -115,17 +115,31 @@ class Eagle2KeyCache:
     committed positions, and the last true state h_n, which the next root fuses with its token.
 
     `append(states, positions, tokens)` takes what the target consumed and produced: t_a..t_b and
-    h_a..h_b. Key p needs h_{p-1}, so the key of position a uses the state kept from the last call."""
+    h_a..h_b. Key p needs h_{p-1}, so the key of position a uses the state kept from the last call.
+    Keys live in a preallocated buffer written in place (beagle/decoding/kv_cache.py)."""
 
     def __init__(self, drafter: Eagle2Drafter) -> None:
+        from beagle.decoding.kv_cache import KeyValueBuffer
+
         self._drafter = drafter
-        self.keys: Tensor | None = None        # [1, H_kv, n, hd]
-        self.values: Tensor | None = None
+        self.buffer = KeyValueBuffer()
         self.last_state: Tensor | None = None  # [d]
         self._length = 0
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def keys(self) -> Tensor | None:
+        """[1, H_kv, n, hd] (a view; n = committed positions - 1), None before the first key."""
+        return self.buffer.view()[0] if self.buffer.allocated else None
+
+    @property
+    def values(self) -> Tensor | None:
+        return self.buffer.view()[1] if self.buffer.allocated else None
+
+    def reserve(self, capacity: int) -> None:
+        self.buffer.reserve(capacity)
 
     def append(self, states: Tensor, positions: Tensor, tokens: Tensor) -> None:
         """states [L, n_layers * d] (the key layers, concatenated), positions [L], tokens [L]."""
@@ -137,9 +151,7 @@ class Eagle2KeyCache:
             positions, tokens = positions[1:], tokens[1:]
         if positions.numel():
             z = self._drafter.fuse(tokens[None], previous[None])
-            k, v = self._drafter.project_fused(z, positions[None])
-            self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
-            self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
+            self.buffer.append(*self._drafter.project_fused(z, positions[None]))
         self.last_state = states[-1]
         self._length += states.shape[0]
 

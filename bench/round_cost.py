@@ -26,7 +26,7 @@ from bench.common import DEMO_MODEL, require_demo  # noqa: E402
 from bench.decode import untrained_drafter  # noqa: E402
 from beagle.decoding.draft_vocab import trained_vocabulary  # noqa: E402
 from beagle.decoding.drafters import draft_backend  # noqa: E402
-from beagle.decoding.kv_cache import keep_cache_positions  # noqa: E402
+from beagle.decoding.kv_cache import truncate_cache  # noqa: E402
 from beagle.decoding.packed_linear import pack_for_decoding  # noqa: E402
 from beagle.decoding.loading import load_target  # noqa: E402
 from beagle.decoding.tree import DraftConfig, build_draft_tree  # noqa: E402
@@ -68,7 +68,7 @@ def measure(model_path: str, dtype: str, context: int, draft_vocab: int, repeats
     def target_pass(n: int) -> None:
         tokens = torch.randint(0, model.config.vocab_size, (n,), generator=generator)
         run_target(model, cache, tokens, context + torch.arange(n), hidden=n > 1, last_logits_only=n == 1)
-        keep_cache_positions(cache, past)  # back to the context for the next call
+        truncate_cache(cache, context)  # back to the context for the next call
 
     passes = {n: timed_ms(lambda n=n: target_pass(n), repeats) for n in VERIFIED}
     drafter = untrained_drafter(model, dtype, device)
@@ -86,7 +86,7 @@ def measure(model_path: str, dtype: str, context: int, draft_vocab: int, repeats
             drafted = time.perf_counter()
             verify_tree(model, cache, tree, context)
             verified = time.perf_counter()
-            keep_cache_positions(cache, past)
+            truncate_cache(cache, context)
             draft.append(drafted - started)
             verify.append(verified - drafted)
         draft_ms, verify_ms = median_ms(draft), median_ms(verify)

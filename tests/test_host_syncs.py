@@ -137,3 +137,45 @@ def test_drafting_reads_the_device_as_often_at_depth_6_as_at_depth_2(host_reads)
             build_draft_tree(session.backend, session.token, len(prompt), config)
         counts[depth] = (len(counter.syncs), len(host_reads))
     assert counts[2] == counts[6], counts
+
+
+@pytest.mark.parametrize("config, reads", [
+    ("chain", ["tolist"]),               # the acceptance: target choices and drafted tokens at once
+    ("tree", ["tolist", "tolist"]),      # the tree's shape (kept ids and parents at once), then the acceptance
+])
+def test_a_greedy_round_reads_the_device_once_for_a_chain_and_twice_for_a_tree(host_reads, config, reads):
+    """A whole round (draft, verify, accept, commit to both caches): no value-dependent op, and these reads only."""
+    from beagle.decoding import DraftConfig
+    from beagle.decoding.generate import SpeculativeSession
+    from tests.decoding_helpers import bigram_drafter, tiny_target
+
+    target = tiny_target(context_scale=0.15)
+    config = DraftConfig.chain(depth=4) if config == "chain" else DraftConfig(depth=3, top_k=3, total_tokens=8)
+    session = SpeculativeSession(target, bigram_drafter(target), config, capacity=64)
+    with torch.inference_mode():
+        session.prefill(torch.tensor([3, 5, 7, 9]))
+        for _ in range(3):
+            host_reads.clear()
+            with SyncCounter() as counter:
+                session.step()
+            assert counter.syncs == [], "\n".join(counter.syncs)
+            assert host_reads == reads
+
+
+def test_rounds_write_both_caches_in_place():
+    """Rolled back by position, never reallocated: the buffers a session starts with are the ones it ends with."""
+    from beagle.decoding import DraftConfig
+    from beagle.decoding.generate import SpeculativeSession
+    from tests.decoding_helpers import bigram_drafter, tiny_target
+
+    target = tiny_target(context_scale=0.15)
+    session = SpeculativeSession(target, bigram_drafter(target), DraftConfig(depth=3, top_k=3, total_tokens=8),
+                                 capacity=64)
+    with torch.inference_mode():
+        session.prefill(torch.tensor([3, 5, 7, 9]))
+        buffers = [layer.buffer._keys for layer in session.cache.layers] + [session.draft_cache.buffer._keys]
+        pointers = [buffer.data_ptr() for buffer in buffers]
+        accepted = sum(len(session.step()[1].path) for _ in range(8))
+        buffers = [layer.buffer._keys for layer in session.cache.layers] + [session.draft_cache.buffer._keys]
+    assert [buffer.data_ptr() for buffer in buffers] == pointers
+    assert accepted > 0 and session.cache.get_seq_length() == len(session.draft_cache)

@@ -13,7 +13,7 @@ verification pass at that node) decides among the node's children:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,24 +22,29 @@ from beagle.decoding.tree import DraftTree
 
 @dataclass(frozen=True)
 class Acceptance:
-    """Accepted tree positions (excluding the root), the bonus token, and whether the last accepted node
-    had children the target could have accepted (a leaf ends the walk without a try at the next depth)."""
+    """Accepted tree positions (excluding the root), the bonus token, whether the last accepted node had
+    children the target could have accepted (a leaf ends the walk without a try at the next depth), and the
+    accepted tokens, already on the host (the caller commits them without reading the device again)."""
 
     path: list[int]
     bonus_token: int
     tried_next_depth: bool
+    tokens: list[int] = field(default_factory=list)
 
 
 def greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
-    """Longest path whose tokens match the target's argmax, plus the target's bonus token."""
-    choice = target_logits.argmax(dim=-1).tolist()  # [N+1] target's greedy token after each position
-    tokens = tree.tokens.tolist()
+    """Longest path whose tokens match the target's argmax, plus the target's bonus token.
+
+    The round's one read of the device: the target's choices and the drafted tokens, together."""
+    # [2, N+1]: the target's greedy token after each position, and the tree's tokens
+    choice, tokens = torch.stack([target_logits.argmax(dim=-1), tree.tokens.to(target_logits.device)]).tolist()
     path: list[int] = []
     node = 0
     while True:
         match = next((child for child in tree.children[node] if tokens[child] == choice[node]), None)
         if match is None:
-            return Acceptance(path=path, bonus_token=choice[node], tried_next_depth=bool(tree.children[node]))
+            return Acceptance(path=path, bonus_token=choice[node], tried_next_depth=bool(tree.children[node]),
+                              tokens=[tokens[position] for position in path])
         path.append(match)
         node = match
 
@@ -72,7 +77,8 @@ def sample_accept(tree: DraftTree, target_logits: torch.Tensor, temperature: flo
                 node = child
                 continue
         bonus = torch.multinomial(p, 1, generator=generator).item()
-        return Acceptance(path=path, bonus_token=int(bonus), tried_next_depth=bool(children))
+        return Acceptance(path=path, bonus_token=int(bonus), tried_next_depth=bool(children),
+                          tokens=[tokens[position] for position in path])
 
 
 def _normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

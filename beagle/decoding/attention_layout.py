@@ -10,7 +10,7 @@ take as is.
 
 transformers' own cache keeps only the last W positions of a sliding layer and rolls them over, so an index
 along its sequence axis no longer names a position and a rejected draft cannot be cut out of it. We give
-sliding layers a plain full-length layer instead: every position stays addressable (the cache of a sliding
+sliding layers a full-length layer instead (the same preallocated layer as full attention, kv_cache.py): every position stays addressable (the cache of a sliding
 layer grows like a full one's, the memory price of exact rollback), and the window is applied by the mask.
 Layer kinds whose state is not one key/value per position (linear attention, convolutions, chunked or
 compressed attention) cannot be rolled back that way and are refused before any decoding.
@@ -21,8 +21,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
+from beagle.decoding.kv_cache import new_static_cache
 from beagle.target_facts import FULL_ATTENTION, SLIDING_ATTENTION, facts_from_config
 
 ROLLBACK_SAFE = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -41,11 +42,10 @@ class AttentionLayout:
         """The distinct layer types, in first-seen order."""
         return tuple(dict.fromkeys(self.layer_types))
 
-    def new_cache(self, model: torch.nn.Module) -> DynamicCache:
-        """A cache of full-length `DynamicLayer`s, one per layer, that `keep_cache_positions` can prune."""
-        cache = DynamicCache(config=model.config)
-        cache.layers = [DynamicLayer() for _ in cache.layers]
-        return cache
+    def new_cache(self, model: torch.nn.Module, capacity: int = 0) -> DynamicCache:
+        """A cache of full-length preallocated layers, one per layer, with room for `capacity` positions, that
+        beagle/decoding/kv_cache.py rolls back by position."""
+        return new_static_cache(model, capacity)
 
     def tree_masks(self, visible: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:

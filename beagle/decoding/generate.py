@@ -15,7 +15,7 @@ import torch
 
 from beagle.decoding.acceptance import Acceptance, greedy_accept, sample_accept
 from beagle.decoding.drafters import draft_backend
-from beagle.decoding.kv_cache import cache_length, keep_cache_positions
+from beagle.decoding.kv_cache import cache_length, commit_path
 from beagle.decoding.tree import DraftConfig, build_draft_tree
 from beagle.decoding.verify import new_cache, run_target, verify_tree
 
@@ -74,7 +74,7 @@ def plain_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tok
     device = prompt_ids.device
     _synchronize(device)
     start = time.perf_counter()
-    cache = new_cache(model)
+    cache = new_cache(model, capacity=prompt_ids.shape[0] + max_new_tokens)
     output = run_target(model, cache, prompt_ids, hidden=False, last_logits_only=True)
     tokens, done = _finish([_choose(output.logits[-1], temperature, generator)], eos_token_ids, max_new_tokens)
     passes = 0
@@ -92,15 +92,19 @@ class SpeculativeSession:
     """The state of one speculative generation: both caches and the pending token t_{n+1}.
 
     Exposed (rather than hidden inside `speculative_generate`) so that tests can check the caches
-    against a fresh forward pass after any number of rounds.
+    against a fresh forward pass after any number of rounds. `capacity`: the positions the answer may reach
+    (prompt + new tokens); both caches are allocated for it plus one round's drafts, once.
     """
 
     def __init__(self, model: torch.nn.Module, drafter: torch.nn.Module, config: DraftConfig,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, capacity: int = 0) -> None:
         self.model, self.drafter, self.config, self.generator = model, drafter, config, generator
-        self.cache = new_cache(model)
+        drafted = config.total_tokens + 1  # a verification pass writes the root and every node past the prefix
+        self.cache = new_cache(model, capacity=capacity + drafted if capacity else 0)
         self.backend = draft_backend(drafter, config.concatenate)
         self.draft_cache = self.backend.cache
+        if capacity:  # the draft steps' keys borrow the rows past the committed ones (tree.py's key bank)
+            self.draft_cache.reserve(capacity + config.depth * config.top_k + 1)
         self.token: int | None = None
         self._drafter_dtype = next(drafter.parameters()).dtype
         self._key_layers = tuple(drafter.config.key_layers)
@@ -116,23 +120,30 @@ class SpeculativeSession:
     def step(self) -> tuple[list[int], Acceptance]:
         """One round: draft a tree, verify it in one target pass, keep the accepted path in both caches.
 
-        Returns the committed tokens (accepted drafts then the bonus token) and the `Acceptance`.
+        Returns the committed tokens (accepted drafts then the bonus token) and the `Acceptance`. Greedy, the
+        round reads the device once for a chain (the acceptance) and twice for a tree (its shape, then the
+        acceptance); nothing here copies a cache: the target's is rolled back by position, the accepted path
+        of a tree moved into place row by row (kv_cache.py), and the drafter's is appended in place.
         """
         past = cache_length(self.cache)
-        device = self.cache.layers[0].keys.device
         tree = build_draft_tree(self.backend, self.token, past, self.config, self.generator)
         output = verify_tree(self.model, self.cache, tree, past, self._key_layers)
         if self.config.temperature > 0:
             acceptance = sample_accept(tree, output.logits, self.config.temperature, self.generator)
         else:
             acceptance = greedy_accept(tree, output.logits)
-        # Keep the root and the accepted path in both caches; drop every other branch.
-        kept = torch.tensor([0] + acceptance.path, device=device)  # tree positions at depths 0..m
-        keep_cache_positions(self.cache, torch.cat([torch.arange(past, device=device), past + kept]))
-        self.backend.append(output.hidden[kept].to(self._drafter_dtype),
-                            past + torch.arange(kept.numel(), device=device), tree.tokens[kept])
+        # Keep the root and the accepted path in both caches; the other branches are overwritten next round.
+        commit_path(self.cache, past, acceptance.path)
+        count = len(acceptance.path) + 1  # the root and the accepted nodes, at depths 0..m
+        if acceptance.path == list(range(1, count)):  # a chain's accepted prefix: slices, no index to upload
+            states, tokens = output.hidden[:count], tree.tokens[:count]
+        else:
+            kept = torch.tensor([0] + acceptance.path, device=tree.tokens.device)  # tree positions, depths 0..m
+            states, tokens = output.hidden[kept], tree.tokens[kept]
+        positions = past + torch.arange(count, device=tree.tokens.device)
+        self.backend.append(states.to(self._drafter_dtype), positions, tokens)
         self.token = acceptance.bonus_token
-        return tree.tokens[acceptance.path].tolist() + [acceptance.bonus_token], acceptance
+        return acceptance.tokens + [acceptance.bonus_token], acceptance
 
 
 @torch.inference_mode()
@@ -150,7 +161,7 @@ def speculative_generate(model: torch.nn.Module, drafter: torch.nn.Module, promp
                               depth_accepts=[0] * config.depth)
     _synchronize(device)
     start = time.perf_counter()
-    session = SpeculativeSession(model, drafter, config, generator)
+    session = SpeculativeSession(model, drafter, config, generator, capacity=prompt_ids.shape[0] + max_new_tokens)
     tokens, done = _finish([session.prefill(prompt_ids)], eos_token_ids, max_new_tokens)
     while not done:
         new_tokens, acceptance = session.step()

@@ -145,29 +145,35 @@ class _Proposals:
 
 @dataclass
 class _KeyBank:
-    """Drafted states kept as keys for their descendants (docs/method.md §5.2), and which of them each query sees."""
+    """Drafted states kept as keys for their descendants (docs/method.md §5.2), and which of them each query sees.
 
-    keys: torch.Tensor | None = None          # [1, H_kv, S, hd]
-    values: torch.Tensor | None = None        # [1, H_kv, S, hd]
+    Their keys go into the drafter cache's buffer past its committed length (`KeyValueBuffer` scratch rows), so
+    a draft step attends over one view of true and drafted keys, not a fresh concatenation of the whole cache;
+    the next commit of true states overwrites them."""
+
+    buffer: object                            # the drafter cache's KeyValueBuffer
+    slots: int = 0                            # S: drafted keys written past the committed length
     query_mask: torch.Tensor | None = None    # [q, S] bank slots each query of this step sees
     visible_below: torch.Tensor | None = None  # [q, S] bank slots a child of each query of this step sees
 
     def attention_inputs(self, true_keys: torch.Tensor, true_values: torch.Tensor, num_queries: int):
         """Keys, values `[1, H_kv, L (+ S), hd]` and mask `[1, 1, q, L (+ S)]` for this step's queries."""
-        mask = torch.ones(1, 1, num_queries, true_keys.shape[-2], dtype=torch.bool, device=true_keys.device)
-        if self.keys is None:
+        length = true_keys.shape[-2]
+        mask = torch.ones(1, 1, num_queries, length + self.slots, dtype=torch.bool, device=true_keys.device)
+        if not self.slots:
             return true_keys, true_values, mask
-        return (torch.cat([true_keys, self.keys], dim=-2), torch.cat([true_values, self.values], dim=-2),
-                torch.cat([mask, self.query_mask[None, None]], dim=-1))
+        mask[0, 0, :, length:] = self.query_mask
+        keys, values = self.buffer.view(self.slots)
+        return keys, values, mask
 
     def append(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
         """Add this step's queries' states `[1, H_kv, q, hd]`: a query's children see it and what it saw."""
         num_queries = new_keys.shape[-2]
-        first_slot = 0 if self.keys is None else self.keys.shape[-2]
-        self.keys = new_keys if self.keys is None else torch.cat([self.keys, new_keys], dim=-2)
-        self.values = new_values if self.values is None else torch.cat([self.values, new_values], dim=-2)
+        first_slot = self.slots
+        self.buffer.write(self.buffer.length + first_slot, new_keys, new_values)
+        self.slots += num_queries
         rows = torch.arange(num_queries, device=new_keys.device)
-        own = torch.zeros(num_queries, self.keys.shape[-2], dtype=torch.bool, device=new_keys.device)
+        own = torch.zeros(num_queries, self.slots, dtype=torch.bool, device=new_keys.device)
         own[rows, first_slot + rows] = True
         if self.query_mask is not None:
             own[:, :self.query_mask.shape[-1]] |= self.query_mask
@@ -198,7 +204,7 @@ def build_draft_tree(backend, root_token: int, root_position: int, config: Draft
     columns = getattr(backend, "token_ids", None)  # [N] token id of each logit column, None: column = token id
     vocab_size = backend.drafter.config.vocab_size
     proposals = _Proposals.root(root_token, device)
-    bank = _KeyBank()
+    bank = _KeyBank(backend.cache.buffer)
     expanded_ids = torch.zeros(1, dtype=torch.long, device=device)  # node ids run at this step
     query_tokens = proposals.tokens[0]
     phi = torch.zeros(1, device=device)        # path log-prob of each expanded node
@@ -238,23 +244,39 @@ def build_draft_tree(backend, root_token: int, root_position: int, config: Draft
         if concatenate:
             bank.expand(parent_rows[best])
 
+    if config.top_k == 1 and config.log_min_confidence == -math.inf:
+        return _chain(proposals, config.total_tokens)
     return proposals.select(config.total_tokens, config.log_min_confidence)
+
+
+def _chain(proposals: _Proposals, total_tokens: int) -> DraftTree:
+    """The top-1 chain without a gate: the best `total_tokens` nodes are the shallowest (a child never scores
+    above its parent, ties go to the earlier node), so the tree is known without reading the device."""
+    size = min(total_tokens, proposals.next_id - 1) + 1
+    tokens = torch.cat(proposals.tokens)[:size]
+    device = tokens.device
+    children = [[position + 1] for position in range(size - 1)] + [[]]
+    probs = {position: p for position, p in proposals.draft_probs.items() if position < size - 1}
+    return DraftTree(tokens=tokens, parents=torch.arange(-1, size - 1, device=device),
+                     depths=torch.arange(size, device=device), children=children, draft_probs=probs)
 
 
 def _select_nodes(node_tokens, node_parents, node_depths, node_scores, draft_probs, total_tokens,
                   min_score: float = -math.inf) -> DraftTree:
     """Keep the root and the `total_tokens` best proposed nodes scoring at least `min_score`; renumber
-    them into tree positions."""
+    them into tree positions. One read of the device (the kept ids and their parents), two with a gate."""
     tokens = torch.cat(node_tokens)
     parents = torch.cat(node_parents)
     depths = torch.cat(node_depths)
     scores = torch.cat(node_scores)
     order = torch.sort(scores[1:], descending=True, stable=True).indices + 1
-    total_tokens = min(total_tokens, int((scores[1:] >= min_score).sum()))
+    if min_score > -math.inf:
+        total_tokens = min(total_tokens, int((scores[1:] >= min_score).sum()))
     kept = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device),
                       order[:total_tokens].sort().values])  # proposal order: parents first
-    position_of = {node_id: position for position, node_id in enumerate(kept.tolist())}
-    kept_parents = [-1] + [position_of[p] for p in parents[kept[1:]].tolist()]
+    kept_ids, parent_ids = torch.stack([kept, parents[kept]]).tolist()  # one read: ids and their parents
+    position_of = {node_id: position for position, node_id in enumerate(kept_ids)}
+    kept_parents = [-1] + [position_of[p] for p in parent_ids[1:]]
     children: list[list[int]] = [[] for _ in kept_parents]
     for position, parent in enumerate(kept_parents[1:], start=1):
         children[parent].append(position)

@@ -5,8 +5,9 @@ passed to the attention kernel unchanged (`masking_utils._preprocess_mask_argume
 the eager kernel ADDS it to the scores while SDPA also accepts booleans, so we build the float additive
 form (0 = visible, dtype minimum = hidden), which both read the same way. Any causal LM whose decoder
 takes a 4D mask (or, when it mixes layer types, a dict of them), explicit `position_ids` and a `DynamicCache`
-works: Llama, Mistral, Qwen2/Qwen3, Gemma 2/3, SmolLM2 among them. Sliding-window layers get their own mask
-and a cache that can be cut back (beagle/decoding/attention_layout.py).
+(whose layers we replace by preallocated ones, beagle/decoding/kv_cache.py) works: Llama, Mistral,
+Qwen2/Qwen3, Gemma 2/3, SmolLM2 among them. Sliding-window layers get their own mask and a cache that can be
+cut back (beagle/decoding/attention_layout.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from beagle.decoding.attention_layout import attention_layout
+from beagle.decoding.gqa_attention import masked_gqa
 from beagle.decoding.tree import DraftTree
 from beagle.layer_capture import LayerCapture
 
@@ -41,9 +43,10 @@ def _cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in _forward_parameters(type(model)) else "past_key_values"
 
 
-def new_cache(model: torch.nn.Module) -> DynamicCache:
-    """A cache every layer of which `keep_cache_positions` can prune (full length, sliding layers included)."""
-    return attention_layout(model).new_cache(model)
+def new_cache(model: torch.nn.Module, capacity: int = 0) -> DynamicCache:
+    """A preallocated cache with room for `capacity` positions (it grows past them if it must), every layer of
+    which can be rolled back by position (full length, sliding layers included; beagle/decoding/kv_cache.py)."""
+    return attention_layout(model).new_cache(model, capacity)
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -106,4 +109,5 @@ def verify_tree(model: torch.nn.Module, cache: DynamicCache, tree: DraftTree, pa
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(tree.parents, tree.depths, past_length, dtype, tree.tokens.device, model)
     positions = past_length + tree.depths  # [N+1]
-    return run_target(model, cache, tree.tokens, positions, mask, layers=layers)
+    with masked_gqa(model):  # on a CPU, no per-pass copy of the cache for grouped heads (gqa_attention.py)
+        return run_target(model, cache, tree.tokens, positions, mask, layers=layers)
