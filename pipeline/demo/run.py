@@ -162,6 +162,9 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
                    "--batch-tokens", str(size.train_batch_tokens), "--max-length", str(size.max_length),
                    "--draft-vocab", str(size.draft_vocab),
                    "--lr", str(size.lr), "--warmup-steps", str(size.warmup_steps),
+                   # the block starts as the target's last layer, which reads exactly the demo's key layer
+                   # (held-out α1 +11% at 300 steps, docs/benchmarks.md "The engine form's levers")
+                   "--init-from-target", str(cache.model_dir),
                    "--progress" if progress else "--no-progress"]),
         ("eval", [*_eval_arguments(size, cache, out), *size.eval_draft, "--dtype", size.eval_dtype,
                   "--json", str(out / "eval.json"), "--plot", str(out / "acceptance.png"), *quiet]),
