@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from beagle.devices import pick_device
+from beagle.errors import BeagleError
 from beagle.prompts import eos_token_ids, render
 from beagle.records import TEXT_ROLE, RejectReason
 from beagle.target_model import TargetSpec
@@ -228,11 +229,19 @@ class ChunkAnswerer:
     """
 
     def __init__(self, config: GenerateConfig, log_dir: str | None = None) -> None:
-        self.generator = ConversationGenerator(config, log_dir=log_dir)
+        # An engine that cannot start (vLLM refusing the model) is raised by the first chunk's call: Ray hands
+        # a method's exception back as itself, for the one-line report, but a constructor's only as text.
+        self.failed: BeagleError | None = None
+        try:
+            self.generator = ConversationGenerator(config, log_dir=log_dir)
+        except BeagleError as error:
+            self.failed = error
 
     def answer(self, chunk_index: int, records: list[PromptRecord]) -> dict[str, Any]:
         """{"chunk", "lines", "conversations", "tokens", "seconds", "pid"} of chunk `chunk_index`; sampling
         is seeded with seed + chunk index, so the answers do not depend on which actor ran it."""
+        if self.failed is not None:
+            raise self.failed
         started = time.perf_counter()
         results = self.generator.answer(records, seed=self.generator.config.seed + int(chunk_index))
         seconds = time.perf_counter() - started

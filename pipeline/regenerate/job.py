@@ -149,10 +149,10 @@ def _check(config: RegenerateConfig) -> None:
     if generate.temperature < 0 or not 0 < generate.top_p <= 1:
         raise ValueError(f"--temperature {generate.temperature} / --top-p {generate.top_p}: need temperature >= 0 "
                          "and 0 < top-p <= 1")
-    _check_engine(config)
+    _check_engine(config, target.max_position_embeddings)
 
 
-def _check_engine(config: RegenerateConfig) -> None:
+def _check_engine(config: RegenerateConfig, max_positions: int | None) -> None:
     generate, vllm = config.generate, config.generate.vllm
     if generate.engine not in ENGINES:
         raise ValueError(f"--engine {generate.engine}: use one of {', '.join(ENGINES)}")
@@ -164,9 +164,17 @@ def _check_engine(config: RegenerateConfig) -> None:
     if generate.engine == "hf" and vllm != VllmConfig():
         raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and the --vllm-* options are vLLM's: "
                          "add --engine vllm, or leave them out")
-    if generate.engine == "vllm" and config.num_gpus_per_worker != 1.0:
+    if generate.engine != "vllm":
+        return
+    if config.num_gpus_per_worker != 1.0:
         raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: with --engine vllm each engine takes "
                          "--tensor-parallel-size x --pipeline-parallel-size GPUs; leave it out")
+    if max_positions and generate.max_prompt_length >= max_positions:
+        # vLLM refuses a prompt longer than the model's positions (the whole round would fail); transformers
+        # would run past them. An answer reaching the limit is cut there and counted as unfinished.
+        raise ValueError(f"--max-prompt-length {generate.max_prompt_length}: the target has "
+                         f"{max_positions} positions, and vLLM takes no prompt that long; give at most "
+                         f"{max_positions - 1}")
 
 
 def engine_facts(config: RegenerateConfig) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from beagle.errors import BeagleError
+
 logger = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -104,6 +106,10 @@ def resolve_executor(config: VllmConfig, *, joined_cluster: bool) -> str | None:
     return "ray" if joined_cluster and config.devices > 1 else None
 
 
+class VllmEngineError(BeagleError):
+    """vLLM could not start or run the target; the job reports it in one line (the dispatcher unwraps it)."""
+
+
 class VllmEngine:
     """A vLLM worker process for one actor; `generate` sends one round of prompts and waits for its answers."""
 
@@ -146,8 +152,11 @@ class VllmEngine:
         ready = self._read("starting")
         if "ready" not in ready:
             self.close()
-            cause = _logged_cause(self.log_path)
-            raise RuntimeError(f"{ready.get('error', ready)}{f' ({cause})' if cause else ''}; log: {self.log_path}")
+            message = str(ready.get("error", ready))
+            cause = _logged_cause(self.log_path) if "EngineDeadError" in message else None
+            if cause:  # the engine process's own error, not "EngineCore encountered an issue"
+                message = message.split("EngineDeadError")[0] + cause
+            raise VllmEngineError(f"{message}; log: {self.log_path}")
         self.version = ready["ready"]["vllm"]
         logger.info("vLLM %s ready in %.0fs (pid %d, log %s)", self.version, time.perf_counter() - started,
                     self.process.pid, self.log_path)
@@ -164,14 +173,14 @@ class VllmEngine:
         self.process.stdin.flush()
         reply = self._read("generating")
         if "outputs" not in reply:
-            raise RuntimeError(f"{reply.get('error', reply)} (log: {self.log_path})")
+            raise VllmEngineError(f"{reply.get('error', reply)}; log: {self.log_path}")
         return [cut_at_eos(row, self.eos_ids) for row in reply["outputs"]]
 
     def _read(self, doing: str) -> dict[str, Any]:
         line = self.process.stdout.readline()
         if not line:
             code = self.process.wait()
-            raise RuntimeError(f"the vLLM worker exited ({code}) while {doing}: "
+            raise VllmEngineError(f"the vLLM worker exited ({code}) while {doing}: "
                                f"{_logged_cause(self.log_path) or _last_line(self.log_path)}; log: {self.log_path}")
         return json.loads(line)
 

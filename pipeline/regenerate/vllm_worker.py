@@ -72,11 +72,16 @@ def serve(args: argparse.Namespace, protocol) -> int:
         import ray  # the cluster's Ray version, installed in the vLLM environment
 
         ray.init(address=args.ray_address, ignore_reinit_error=True)
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    positions = (config.get("text_config") or config).get("max_position_embeddings")
+    # prompt + answer, never past the model's positions (an answer reaching them ends there, unfinished)
+    max_model_len = min(args.max_model_len, positions) if positions else args.max_model_len
     options = {"gpu_memory_utilization": args.gpu_memory_utilization or (0.3 if on_cpu else None),
                "distributed_executor_backend": args.executor}
     try:
         llm = LLM(model=args.model, tokenizer=args.model, skip_tokenizer_init=True, dtype=args.dtype,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                   tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                   trust_remote_code=args.trust_remote_code, seed=args.seed, enforce_eager=on_cpu,
                   **{k: v for k, v in options.items() if v is not None})
@@ -115,8 +120,10 @@ def _root_cause(error: BaseException) -> str:
     """The innermost exception's first line: vLLM wraps a worker's error in EngineDeadError and the like."""
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and "validation error" in lines[0]:  # pydantic: the reason is the second line
+        lines = [lines[1].removeprefix("Value error, ")]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
 
 
 def main(argv: list[str] | None = None) -> int:
