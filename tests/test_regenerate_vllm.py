@@ -113,8 +113,11 @@ def test_vllm_answers_equal_the_transformers_engines_token_for_token(tmp_path, m
     assert [json.loads(r)["reason"] for r in rejects_path(str(outs["vllm"])).read_text().splitlines()] == [
         "prompt_too_long", "malformed_json"]
     manifests = {engine: json.loads(manifest_path(str(out)).read_text()) for engine, out in outs.items()}
-    assert manifests["vllm"]["engine"]["name"] == "vllm" and manifests["vllm"]["engine"]["version"] == "0.32.0"
-    assert manifests["hf"]["engine"]["name"] == "hf" and "engine" not in {k for k in manifests["hf"] if k != "engine"}
+    made_by = {engine: manifest["generated_by"] for engine, manifest in manifests.items()}
+    assert made_by["vllm"]["name"] == "vllm" and made_by["vllm"]["version"] == "0.32.0"
+    assert made_by["vllm"]["tensor_parallel_size"] == made_by["vllm"]["pipeline_parallel_size"] == 1
+    assert manifests["vllm"]["engine"] == {"name": "vllm", "version": "0.32.0"}  # part of its identity
+    assert made_by["hf"]["name"] == "hf" and made_by["hf"]["version"] and "engine" not in manifests["hf"]
     assert manifests["vllm"]["identity_sha256"] != manifests["hf"]["identity_sha256"]
     assert manifests["vllm"]["counts"] == manifests["hf"]["counts"]
 

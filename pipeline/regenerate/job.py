@@ -4,7 +4,7 @@ Layout next to `--out answers.jsonl`:
   answers.jsonl                conversations `{"id", "messages", "source", "regenerated"}` (text records:
                                `{"id", "text", ...}`, the text and its continuation), input order;
                                `extract --data answers.jsonl` reads it as is
-  answers.jsonl.manifest.json  what made it: target fingerprint, settings, input hashes, counts
+  answers.jsonl.manifest.json  what made it: target fingerprint, settings, input hashes, counts, the engine
   answers.jsonl.rejects.jsonl  records that could not be used, each with file, record and reason
   answers.jsonl.partial/       work in progress: one file per finished chunk; removed on success
   answers.jsonl.lock           held (flock) while a job writes; a second job into the same --out is refused
@@ -178,8 +178,9 @@ def _check_engine(config: RegenerateConfig, max_positions: int | None) -> None:
 
 
 def engine_facts(config: RegenerateConfig) -> dict[str, Any]:
-    """What generates, for the manifest: the engine, its version and how it is spread (the vLLM environment is
-    probed here, before Ray starts, so a missing one or an architecture it lacks is a one-line error)."""
+    """What generates, the manifest's `generated_by`: the engine, its version and how it is spread (the vLLM
+    environment is probed here, before Ray starts, so a missing one or an architecture it lacks is a one-line
+    error)."""
     generate = config.generate
     if generate.engine == "vllm":
         found = probe_vllm(generate.vllm, generate.model_path, trust_remote_code=generate.trust_remote_code)
@@ -333,7 +334,7 @@ def _run_locked(config: RegenerateConfig, scan: InputScan, engine: dict[str, Any
             raise
     summary.chunks_resumed = len(run.kept)
     summary.generate_seconds = run.seconds
-    _assemble(config, stream.rejects, {**facts, "engine": engine}, facts_hash, summary.chunks, work, summary)
+    _assemble(config, stream.rejects, {**facts, "generated_by": engine}, facts_hash, summary.chunks, work, summary)
     shutil.rmtree(work)
     summary.seconds = time.perf_counter() - started
     summary.driver_peak_rss_mib = peak_rss_mib()
