@@ -12,7 +12,9 @@ P11 = regenerate tokens/s ÷ bare tokens/s (target ≥ 0.8). Greedy, so both pro
 size (vLLM: max_num_seqs) and answer length, one run each in a fresh child process, one after the other
 (hf first). Each child loads its engine, answers two prompts as a warm-up, then all of them, timed. Memory:
 the peak of the child's process tree (vLLM: the child, its worker and vLLM's engine processes), sampled by
-this process every 0.2 s as the sum of RSS (pages shared between processes counted in each) and of PSS.
+this process every 0.5 s as the sum of RSS (/proc/PID/statm: pages shared between processes, such as torch's
+libraries, counted in each, so an upper bound; reading PSS from smaps every 0.2 s stalled the measured
+process, whose allocations wait on the same memory-map lock).
 P16 = vLLM tokens/s ÷ hf tokens/s over the timed answers (target ≥ 2.0); the load time and the ratio with
 it included are reported beside it.
 
@@ -108,23 +110,22 @@ def engine_child(args: argparse.Namespace) -> None:
         generator.engine.close()
 
 
-def _tree_memory(pid: int) -> tuple[float, float]:
-    """(sum of RSS, sum of PSS) in MiB of process `pid` and its descendants (0 for those that just ended)."""
+def _tree_rss_mib(pid: int) -> float:
+    """The sum of RSS in MiB of process `pid` and its descendants (0 for those that just ended)."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0, 0.0
-    rss = pss = 0
+        return 0.0
+    rss = 0
     for process in processes:
         try:
-            info = process.memory_full_info()
-            rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
+            rss += process.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    return rss / 2**20, pss / 2**20
+    return rss / 2**20
 
 
 def measure_engine(engine: str, args: argparse.Namespace) -> dict:
@@ -136,13 +137,12 @@ def measure_engine(engine: str, args: argparse.Namespace) -> dict:
            "PYTHONPATH": os.pathsep.join(x for x in (str(Path(__file__).resolve().parent.parent),
                                                      os.environ.get("PYTHONPATH", "")) if x)}
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = {"rss": 0.0, "pss": 0.0}
+    peak = {"rss": 0.0}
 
     def sample() -> None:
         while child.poll() is None:
-            rss, pss = _tree_memory(child.pid)
-            peak["rss"], peak["pss"] = max(peak["rss"], rss), max(peak["pss"], pss)
-            time.sleep(0.2)
+            peak["rss"] = max(peak["rss"], _tree_rss_mib(child.pid))
+            time.sleep(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -152,8 +152,7 @@ def measure_engine(engine: str, args: argparse.Namespace) -> dict:
     if child.returncode != 0:
         raise SystemExit(f"{engine} child failed:\n{err[-3000:]}")
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "process_seconds": time.perf_counter() - started, "peak_rss_mib": peak["rss"],
-            "peak_pss_mib": peak["pss"]}
+    return {**result, "process_seconds": time.perf_counter() - started, "peak_rss_mib": peak["rss"]}
 
 
 def p16(args: argparse.Namespace) -> None:
@@ -163,7 +162,7 @@ def p16(args: argparse.Namespace) -> None:
         r = runs[engine]
         print(f"{engine} {r['version']}: {r['tokens']:,} tokens in {r['seconds']:.1f}s = "
               f"{r['tokens'] / r['seconds']:,.1f} tokens/s (load + warm-up {r['load_seconds']:.1f}s); peak memory "
-              f"{r['peak_rss_mib']:,.0f} MiB RSS, {r['peak_pss_mib']:,.0f} MiB PSS", flush=True)
+              f"{r['peak_rss_mib']:,.0f} MiB (RSS summed over its processes)", flush=True)
     if len(runs) < 2:
         return
     hf, vllm = runs["hf"], runs["vllm"]
@@ -174,10 +173,10 @@ def p16(args: argparse.Namespace) -> None:
                 "dtype": args.dtype, "threads": hf["threads"], "identical_answers": identical,
                 "runs": {k: {key: value for key, value in r.items() if key != "answers"} for k, r in runs.items()},
                 "ratio_with_load": with_load["vllm"] / with_load["hf"],
-                "memory_ratio_pss": vllm["peak_pss_mib"] / hf["peak_pss_mib"]}
+                "memory_ratio": vllm["peak_rss_mib"] / hf["peak_rss_mib"]}
     emit([record("P16", "regenerate tokens/s, vLLM ÷ hf", rate["vllm"] / rate["hf"], 2.0, ">=",
                   f"{rate['vllm']:,.1f} vs {rate['hf']:,.1f} generated tokens/s ({with_load['vllm'] / with_load['hf']:.2f}x "
-                  f"with loading); peak PSS {vllm['peak_pss_mib']:,.0f} vs {hf['peak_pss_mib']:,.0f} MiB; "
+                  f"with loading); peak RSS {vllm['peak_rss_mib']:,.0f} vs {hf['peak_rss_mib']:,.0f} MiB; "
                   f"{identical}/{hf['prompts']} answers identical", settings,
                   why="vLLM's CPU build on 2 shared cores")], args.json)
 
