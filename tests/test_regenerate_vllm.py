@@ -5,7 +5,7 @@ Llama (tests/tiny_engine.py: head_dim 64, which vLLM's CPU attention takes, and 
 near-tie lets two engines' kernels pick different tokens): the two output files are equal line for line
 (answers, token counts, dropped turns), and so are the rejects, prompt_too_long included; the manifest
 names the engine and its version. A crash after every chunk was answered is resumed without starting vLLM
-again. Measured 2026-12-04 on 2 shared cores: 130 s for the file, ~35 s each vLLM start, ~12 s each probe.
+again. Measured 2026-12-04 on 2 shared cores: 130-195 s for the file, ~35 s each vLLM start, ~12 s each probe.
 The fast tests check the one-line refusals, which need no vLLM.
 """
 from __future__ import annotations
@@ -52,13 +52,16 @@ def test_vllm_options_need_the_vllm_engine(tiny_target, tmp_path):
     assert result.exit_code == 1 and "add --engine vllm" in result.output, result.output
     result = _invoke(*common, "--engine", "vllm", "--num-gpus-per-worker", "2")
     assert result.exit_code == 1 and "--tensor-parallel-size x --pipeline-parallel-size" in result.output
+    result = _invoke(*common, "--engine", "vllm")  # --max-prompt-length 2048 on a target of 512 positions
+    assert result.exit_code == 1 and "give at most 511" in result.output, result.output
 
 
 def test_a_missing_vllm_environment_is_one_line(tiny_target, tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "Hello"}\n')
     result = _invoke("--model", str(tiny_target), "--data", str(data), "--out", str(tmp_path / "a.jsonl"),
-                     "--engine", "vllm", "--vllm-python", str(tmp_path / "no-venv" / "bin" / "python"))
+                     "--engine", "vllm", "--vllm-python", str(tmp_path / "no-venv" / "bin" / "python"),
+                     "--max-prompt-length", "100")
     assert result.exit_code == 1, result.output
     assert "no vLLM environment at" in result.output and "make serve-venv" in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
@@ -129,6 +132,6 @@ def test_vllm_answers_equal_the_transformers_engines_token_for_token(tmp_path, m
     config_json = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config_json, "architectures": ["NoSuchModelForCausalLM"]}))
     result = _invoke("--model", str(other), "--data", str(data), "--out", str(tmp_path / "x.jsonl"),
-                     "--engine", "vllm")
+                     "--engine", "vllm", "--max-prompt-length", "160")
     assert result.exit_code == 1 and "does not run the architecture NoSuchModelForCausalLM" in result.output, \
         result.output
