@@ -13,6 +13,7 @@ Each figure is measured side by side in one run by its own script (each also run
   P6      bench/decode.py    speculative ÷ plain tokens/s, chain and tree (drafter from the P5 run)
   P9      bench/train.py     training tokens/s in bf16 autocast ÷ fp32 on this machine (SmolLM2 shapes)
   P11     bench/regenerate.py  regenerate's generated tokens/s ÷ a bare batched greedy loop, same batches
+  P16     bench/regenerate.py --engine both  regenerate's tokens/s with vLLM ÷ with transformers, same prompts
 Only the part of docs/benchmarks.md between `<!-- bench:begin -->` and `<!-- bench:end -->` is replaced.
 No test asserts a timing; targets are compared here and a missed one is marked with its reason.
 """
@@ -31,7 +32,7 @@ from bench.common import ROOT, machine, record, require_demo  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TARGETS = "P1 ≥ 0.95; P2 ≤ 1.01 bf16, ≤ 0.90 zstd, fp8 ≤ 0.52, int8 + zstd ≤ 0.35, τ within 3%; P3 ≥ 0.5; P4 ≤ 1.15; P5 ≥ 1.0; " \
-          "P6 ≥ 2.0; P7 ≥ 1.8; P8 ≥ 0.8 disk and tmpfs; P9 ≥ 2.0; P11 ≥ 0.8; " \
+          "P6 ≥ 2.0; P7 ≥ 1.8; P8 ≥ 0.8 disk and tmpfs; P9 ≥ 2.0; P11 ≥ 0.8; P16 ≥ 2.0; " \
           "P12 ≥ 1.0"
 
 
@@ -188,6 +189,9 @@ def main() -> None:
                             str(work / "p9.json")], work / "p9.log") and json.loads((work / "p9.json").read_text())),
         ("P11", lambda: run(["bench/regenerate.py", "--prompts", "16" if args.quick else "64", "--json",
                              str(work / "p11.json")], work / "p11.log") and json.loads((work / "p11.json").read_text())),
+        ("P16", lambda: run(["bench/regenerate.py", "--engine", "both", "--prompts", "16" if args.quick else "64",
+                             "--max-new-tokens", "192", "--json", str(work / "p16.json")], work / "p16.log")
+         and json.loads((work / "p16.json").read_text())),
     ]
     for figure, job in jobs:
         if figure not in only:
@@ -202,7 +206,8 @@ def main() -> None:
                 "python bench/store.py --tokens N --widths 576", "python bench/store.py --p8 [--shard-tokens 16384]",
                 "python bench/extract_ceiling.py [--tokens 32768]", "python bench/memory.py [--quick]",
                 "python bench/decode.py --drafter <P5 Beagle drafter> --shapes 'chain d5,tree d5 k4 n16,chain d3 c0.25,tree d5 k4 n16 c0.2'",
-                "python bench/train.py --only-p9 [--length 256]", "python bench/regenerate.py [--prompts 16]"]
+                "python bench/train.py --only-p9 [--length 256]", "python bench/regenerate.py [--prompts 16]",
+                "python bench/regenerate.py --engine both --max-new-tokens 192 [--prompts 16]"]
     block = render(records, commands, args.quick, time.perf_counter() - start)
     print(block)
     if not args.no_docs:

@@ -78,7 +78,8 @@ def test_extract_and_regenerate_defaults_are_their_configs():
     from pipeline.regenerate.cli import regenerate
     from pipeline.regenerate.generation import GenerateConfig
     from pipeline.regenerate.job import RegenerateConfig
+    from pipeline.regenerate.vllm_engine import VllmConfig
 
     # store_dtype, batch_tokens, num_workers, device_map, address, limit: None = decided at run time, and said so
     _job_options_match_their_fields(extract, (ExtractConfig,), {"store_dtype", "batch_tokens"})
-    _job_options_match_their_fields(regenerate, (GenerateConfig, RegenerateConfig), set())
+    _job_options_match_their_fields(regenerate, (GenerateConfig, RegenerateConfig, VllmConfig), set())

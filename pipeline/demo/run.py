@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipeline.demo.prepare import DemoCache, default_cache_dir
@@ -69,6 +69,9 @@ class DemoSize:
     serve: bool = True
     serve_prompts: int = 5
     serve_draft_tokens: int = 1
+    # The engine that answers the prompts (`regenerate --engine`): vLLM, measured faster than transformers on
+    # the demo's own regeneration (docs/benchmarks.md, 2026-12-04: P16); hf where no vLLM environment is built.
+    regenerate_engine: str = "vllm"
 
 
 # Measured from a fresh clone on 2 shared CPU cores (docs/quickstart.md): regeneration ~160 generated tokens/s
@@ -153,7 +156,8 @@ def plan(size: DemoSize, cache: DemoCache, out: Path, *, progress: bool,
         ("regenerate", ["regenerate", "--model", str(cache.model_dir), "--data", str(cache.sharegpt_path),
                         "--out", str(out / "answers.jsonl"), "--limit", str(size.prompts), "--max-turns", "1",
                         "--max-new-tokens", str(size.max_new_tokens_answer),
-                        "--max-prompt-length", str(size.max_prompt_length), "--dtype", "bfloat16", *quiet]),
+                        "--max-prompt-length", str(size.max_prompt_length), "--dtype", "bfloat16",
+                        "--engine", size.regenerate_engine, *quiet]),
         ("extract", ["extract", "--model", str(cache.model_dir), "--data", str(out / "answers.jsonl"),
                      "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", "bfloat16",
                      *ENGINE_KEYS, *quiet]),
@@ -213,7 +217,8 @@ def hardware_runs_bf16() -> bool:
 
 
 SIZE_MARKER = "size.json"  # what a run folder's answers and store were made with
-DATA_FIELDS = ("prompts", "max_new_tokens_answer", "max_prompt_length", "max_length")  # what regenerate/extract read
+DATA_FIELDS = ("prompts", "max_new_tokens_answer", "max_prompt_length", "max_length",  # what regenerate/extract read
+               "regenerate_engine")
 
 
 def _size_record(size: DemoSize) -> str:
@@ -232,6 +237,18 @@ def _forget_other_sizes(out: Path, size: DemoSize) -> None:
         return
     print(f"{out} holds a demo run of another size; starting it afresh for size {size.name}", flush=True)
     shutil.rmtree(out)
+
+
+def with_available_engine(size: DemoSize) -> DemoSize:
+    """`size`, regenerating with transformers when its engine is vLLM and no vLLM environment is built here
+    (`make demo` builds one; `python -m pipeline.demo.run` alone may not have it)."""
+    from pipeline.regenerate.vllm_engine import VllmConfig, vllm_python
+
+    if size.regenerate_engine != "vllm" or Path(vllm_python(VllmConfig())).is_file():
+        return size
+    print(f"no vLLM environment at {vllm_python(VllmConfig())} (make serve-venv): regenerating with --engine hf",
+          flush=True)
+    return replace(size, regenerate_engine="hf")
 
 
 def default_size_name() -> str:
@@ -446,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="No progress bars (for logs and CI).")
     args = parser.parse_args(argv)
 
-    size = SIZES[args.size or ("smoke" if args.smoke else default_size_name())]
+    size = with_available_engine(SIZES[args.size or ("smoke" if args.smoke else default_size_name())])
     out = (args.out or Path("runs") / ("demo-smoke" if size.name == "smoke" else "demo")).resolve()
     cache = DemoCache((args.cache_dir or default_cache_dir()).resolve())
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local Ray needs no token

@@ -104,4 +104,21 @@ class ActorDispatcher:
                            timeout=None if wait else 0)
         for ref in done:
             del self.in_flight[ref]
-            self.on_result(ray.get(ref))
+            self.on_result(_get(ref))
+
+
+def _get(ref: Any) -> Any:
+    """`ray.get`, except that an actor's `BeagleError` (a user's problem its message explains: an engine that
+    cannot start the target) is raised as itself, for the command's one-line report, not inside Ray's
+    traceback of the remote call."""
+    import ray
+
+    from beagle.errors import BeagleError
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as error:
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, BeagleError):
+            raise cause from None
+        raise

@@ -1,28 +1,37 @@
-"""The target answers conversations turn by turn, in left-padded batches (transformers `generate`).
+"""The target answers conversations turn by turn, through one of two engines.
 
-Every conversation of a chunk asks its first turn in one round of batches, then its second turn (with its
-own first answer in the context), and so on: MT-Bench-style follow-ups refer to the earlier answer. Rows
-are sorted by prompt length inside a round so that padding stays small.
+Every conversation of a chunk asks its first turn in one round, then its second turn (with its own first
+answer in the context), and so on: MT-Bench-style follow-ups refer to the earlier answer. What is asked
+(the chat template, the prompt-length rule, the rejects) and how answers are cut and decoded is decided
+here, once, whatever runs the model: `TransformersEngine` (left-padded batches of `--batch-size` through
+transformers `generate`, rows sorted by prompt length so that padding stays small) or, with `--engine vllm`,
+`pipeline.regenerate.vllm_engine.VllmEngine` (the whole round to vLLM at once: continuous batching, paged
+attention). Both take token ids and give back token ids.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from beagle.devices import pick_device
+from beagle.errors import BeagleError
 from beagle.prompts import eos_token_ids, render
 from beagle.records import TEXT_ROLE, RejectReason
 from beagle.target_model import TargetSpec
 from pipeline.jobkit.target import load_tokenizer
 from pipeline.regenerate.prompts import PromptRecord
+from pipeline.regenerate.vllm_engine import VllmConfig
 
 logger = logging.getLogger(__name__)
+
+ENGINES = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,8 @@ class GenerateConfig:
     device: str | None = None     # None: cuda when available, else cpu
     threads: int | None = None
     trust_remote_code: bool = False
+    engine: str = "hf"            # hf: transformers `generate` in the actor; vllm: vllm.LLM in a worker process
+    vllm: VllmConfig = field(default_factory=lambda: VllmConfig())
 
     @property
     def target(self) -> TargetSpec:
@@ -59,23 +70,89 @@ class Answered:
     reject: str | None = None     # "prompt_too_long" when not even the first turn fits
 
 
-class ConversationGenerator:
-    """Holds the target and its tokenizer; `answer` regenerates a chunk of conversations."""
+class Engine(Protocol):
+    """What runs the model: prompts as token ids in, (answer tokens without EOS, ended with EOS) out."""
 
-    def __init__(self, config: GenerateConfig) -> None:
+    eos_ids: set[int]
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[tuple[list[int], bool]]: ...
+
+
+def cut_at_eos(row: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
+    """An answer's tokens up to its first EOS, and whether it had one (else it stopped at max_new_tokens)."""
+    end = next((i for i, token in enumerate(row) if token in eos_ids), None)
+    return (row, False) if end is None else (row[:end], True)
+
+
+class TransformersEngine:
+    """The target in this process, left-padded batches of `batch_size` through transformers `generate`."""
+
+    def __init__(self, config: GenerateConfig, tokenizer: Any) -> None:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = pick_device(config.device)
-        self.tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
         self.model = config.target.load_model(self.device)
-        self.pad_id = self.tokenizer.pad_token_id
+        self.pad_id = tokenizer.pad_token_id
         if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id
-        self.eos_ids = eos_token_ids(self.tokenizer, self.model.generation_config)
+            self.pad_id = tokenizer.eos_token_id
+        self.eos_ids = eos_token_ids(tokenizer, self.model.generation_config)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[tuple[list[int], bool]]:
+        """Batches of `batch_size` in the given order; sampling follows the chunk's torch seed, not `seeds`."""
+        step = self.config.batch_size
+        return [answer for start in range(0, len(prompts), step) for answer in self._batch(prompts[start:start + step])]
+
+    @torch.inference_mode()
+    def _batch(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, W], left padded
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        sampling = self.config.temperature > 0
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            max_new_tokens=self.config.max_new_tokens, do_sample=sampling,
+            temperature=self.config.temperature if sampling else None,
+            top_p=self.config.top_p if sampling else None, top_k=None,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))  # [B, W + new]
+        return [cut_at_eos(row, self.eos_ids) for row in output[:, width:].tolist()]
+
+
+def request_seed(chunk_seed: int, row: int, turn: int) -> int:
+    """vLLM's per-request sampling seed: fixed by the chunk's seed, the record's place in it and the turn, so
+    a chunk's sampled answers do not depend on which actor ran it, nor on what else was in flight."""
+    digest = hashlib.blake2b(f"{chunk_seed}/{row}/{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+class ConversationGenerator:
+    """Holds the engine and the target's tokenizer; `answer` regenerates a chunk of conversations."""
+
+    def __init__(self, config: GenerateConfig, *, log_dir: str | None = None) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model_path, trust_remote_code=config.trust_remote_code)
+        if config.engine == "vllm":
+            from pipeline.regenerate.vllm_engine import VllmEngine
+
+            self.engine: Engine = VllmEngine(config, self.tokenizer, log_dir=log_dir)
+        else:
+            self.engine = TransformersEngine(config, self.tokenizer)
+        self.eos_ids = self.engine.eos_ids
         if not self.eos_ids:
             raise ValueError(f"--model {config.model_path}: no eos_token_id in the tokenizer or generation "
                              "config; answers could never end")
+
+    @property
+    def model(self) -> Any:
+        """The transformers model (the hf engine only; bench/regenerate.py decodes with it too)."""
+        return self.engine.model
+
+    @property
+    def pad_id(self) -> int:
+        return self.engine.pad_id
 
     def answer(self, records: list[PromptRecord], *, seed: int) -> list[Answered]:
         """Regenerate every assistant turn of `records`; `seed` fixes sampling for this chunk."""
@@ -83,8 +160,8 @@ class ConversationGenerator:
         results = [Answered(r, [{"role": "system", "content": s} for s in r.system]) for r in records]
         turns = max(len(r.turns) for r in records)
         for turn in range(min(turns, self.config.max_turns) if self.config.max_turns else turns):
-            asking: list[tuple[Answered, list[int]]] = []
-            for result in results:
+            asking: list[tuple[Answered, list[int], int]] = []
+            for row, result in enumerate(results):
                 if turn >= len(result.record.turns) or result.reject or result.dropped_turns:
                     continue
                 ids = render(self.tokenizer, self._context(result, turn))
@@ -94,20 +171,21 @@ class ConversationGenerator:
                     else:
                         result.dropped_turns = len(result.record.turns) - turn
                     continue
-                asking.append((result, ids))
+                asking.append((result, ids, request_seed(seed, row, turn)))
+            if not asking:
+                continue
             asking.sort(key=lambda item: len(item[1]))
-            for start in range(0, len(asking), self.config.batch_size):
-                batch = asking[start:start + self.config.batch_size]
-                for (result, ids), (tokens, finished) in zip(batch, self._generate([ids for _, ids in batch])):
-                    question = result.record.turns[turn]
-                    if result.record.text:
-                        result.text = question + self._continuation(ids, tokens)
-                    else:
-                        result.messages += [{"role": "user", "content": question},
-                                            {"role": "assistant",
-                                             "content": self.tokenizer.decode(tokens, skip_special_tokens=True)}]
-                    result.generated_tokens += len(tokens)
-                    result.unfinished_turns += not finished
+            answers = self.engine.generate([ids for _, ids, _ in asking], [s for _, _, s in asking])
+            for (result, ids, _), (tokens, finished) in zip(asking, answers):
+                question = result.record.turns[turn]
+                if result.record.text:
+                    result.text = question + self._continuation(ids, tokens)
+                else:
+                    result.messages += [{"role": "user", "content": question},
+                                        {"role": "assistant",
+                                         "content": self.tokenizer.decode(tokens, skip_special_tokens=True)}]
+                result.generated_tokens += len(tokens)
+                result.unfinished_turns += not finished
         return results
 
     @staticmethod
@@ -123,29 +201,6 @@ class ConversationGenerator:
         merged characters a tokenizer would lose decoding the continuation alone."""
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
         return self.tokenizer.decode(prompt_ids + tokens, skip_special_tokens=True)[len(prompt):]
-
-    @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
-        """(answer tokens without EOS, ended with EOS) for each prompt, batched."""
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, W], left padded
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt):] = 1
-        sampling = self.config.temperature > 0
-        output = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            max_new_tokens=self.config.max_new_tokens, do_sample=sampling,
-            temperature=self.config.temperature if sampling else None,
-            top_p=self.config.top_p if sampling else None, top_k=None,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids))  # [B, W + new]
-        answers = []
-        for row in output[:, width:].tolist():
-            ends = [i for i, token in enumerate(row) if token in self.eos_ids]
-            tokens = row[:ends[0]] if ends else row
-            answers.append((tokens, bool(ends)))
-        return answers
 
 
 def chunk_lines(answered: list[Answered]) -> str:
@@ -173,12 +228,20 @@ class ChunkAnswerer:
     Python: the job kit's dispatcher makes it a Ray actor; tests call it directly.
     """
 
-    def __init__(self, config: GenerateConfig) -> None:
-        self.generator = ConversationGenerator(config)
+    def __init__(self, config: GenerateConfig, log_dir: str | None = None) -> None:
+        # An engine that cannot start (vLLM refusing the model) is raised by the first chunk's call: Ray hands
+        # a method's exception back as itself, for the one-line report, but a constructor's only as text.
+        self.failed: BeagleError | None = None
+        try:
+            self.generator = ConversationGenerator(config, log_dir=log_dir)
+        except BeagleError as error:
+            self.failed = error
 
     def answer(self, chunk_index: int, records: list[PromptRecord]) -> dict[str, Any]:
         """{"chunk", "lines", "conversations", "tokens", "seconds", "pid"} of chunk `chunk_index`; sampling
         is seeded with seed + chunk index, so the answers do not depend on which actor ran it."""
+        if self.failed is not None:
+            raise self.failed
         started = time.perf_counter()
         results = self.generator.answer(records, seed=self.generator.config.seed + int(chunk_index))
         seconds = time.perf_counter() - started

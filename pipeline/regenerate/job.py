@@ -4,7 +4,7 @@ Layout next to `--out answers.jsonl`:
   answers.jsonl                conversations `{"id", "messages", "source", "regenerated"}` (text records:
                                `{"id", "text", ...}`, the text and its continuation), input order;
                                `extract --data answers.jsonl` reads it as is
-  answers.jsonl.manifest.json  what made it: target fingerprint, settings, input hashes, counts
+  answers.jsonl.manifest.json  what made it: target fingerprint, settings, input hashes, counts, the engine
   answers.jsonl.rejects.jsonl  records that could not be used, each with file, record and reason
   answers.jsonl.partial/       work in progress: one file per finished chunk; removed on success
   answers.jsonl.lock           held (flock) while a job writes; a second job into the same --out is refused
@@ -29,7 +29,7 @@ import re
 import shutil
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -49,8 +49,10 @@ from pipeline.jobkit.record_stream import InputChangedError, InputScan, check_un
 from pipeline.store import atomic
 from pipeline.jobkit.rejects import count_reasons, format_reasons, sorted_rejects
 from pipeline.jobkit.target import load_tokenizer, target_fingerprint
-from pipeline.regenerate.generation import GenerateConfig
+from pipeline.jobkit.ray_session import joined_cluster
+from pipeline.regenerate.generation import ENGINES, GenerateConfig
 from pipeline.regenerate.prompts import scan_prompts, stream_prompts
+from pipeline.regenerate.vllm_engine import EXECUTORS, VllmConfig, probe_vllm, resolve_executor
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class RegenerateSummary:
     tokens_this_run: int = 0
     driver_peak_rss_mib: float = 0.0  # the driver's peak resident memory (bounded: inputs are streamed)
     state: str = "new"              # new | resumed | complete (nothing to do)
+    engine: str = "hf"              # what generated: "hf" or "vllm 0.32.0"
 
     @property
     def rejected(self) -> int:
@@ -104,7 +107,7 @@ class RegenerateSummary:
         if self.chunks_resumed:
             lines.append(f"resumed: {self.chunks_resumed} of {self.chunks} chunks kept from an earlier run")
         if self.generate_seconds:
-            lines.append(f"generation: {rate:,.0f} tokens/s over {self.generate_seconds:.1f}s, loading the target "
+            lines.append(f"generation ({self.engine}): {rate:,.0f} tokens/s over {self.generate_seconds:.1f}s, loading the target "
                          f"included (total {self.seconds:.1f}s)")
         if self.driver_peak_rss_mib:
             lines.append(f"driver: {self.driver_peak_rss_mib:,.0f} MiB peak resident memory")
@@ -146,6 +149,49 @@ def _check(config: RegenerateConfig) -> None:
     if generate.temperature < 0 or not 0 < generate.top_p <= 1:
         raise ValueError(f"--temperature {generate.temperature} / --top-p {generate.top_p}: need temperature >= 0 "
                          "and 0 < top-p <= 1")
+    _check_engine(config, target.max_position_embeddings)
+
+
+def _check_engine(config: RegenerateConfig, max_positions: int | None) -> None:
+    generate, vllm = config.generate, config.generate.vllm
+    if generate.engine not in ENGINES:
+        raise ValueError(f"--engine {generate.engine}: use one of {', '.join(ENGINES)}")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(vllm, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(vllm, name)}: must be at least 1")
+    if vllm.executor is not None and vllm.executor not in EXECUTORS:
+        raise ValueError(f"--vllm-executor {vllm.executor}: use one of {', '.join(EXECUTORS)}")
+    if generate.engine == "hf" and vllm != VllmConfig():
+        raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and the --vllm-* options are vLLM's: "
+                         "add --engine vllm, or leave them out")
+    if generate.engine != "vllm":
+        return
+    if config.num_gpus_per_worker != 1.0:
+        raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: with --engine vllm each engine takes "
+                         "--tensor-parallel-size x --pipeline-parallel-size GPUs; leave it out")
+    if max_positions and generate.max_prompt_length >= max_positions:
+        # vLLM refuses a prompt longer than the model's positions (the whole round would fail); transformers
+        # would run past them. An answer reaching the limit is cut there and counted as unfinished.
+        raise ValueError(f"--max-prompt-length {generate.max_prompt_length}: the target has "
+                         f"{max_positions} positions, and vLLM takes no prompt that long; give at most "
+                         f"{max_positions - 1}")
+
+
+def engine_facts(config: RegenerateConfig) -> dict[str, Any]:
+    """What generates, the manifest's `generated_by`: the engine, its version and how it is spread (the vLLM
+    environment is probed here, before Ray starts, so a missing one or an architecture it lacks is a one-line
+    error)."""
+    generate = config.generate
+    if generate.engine == "vllm":
+        found = probe_vllm(generate.vllm, generate.model_path, trust_remote_code=generate.trust_remote_code)
+        return {"name": "vllm", "version": found["vllm"], "python": found["python"],
+                "tensor_parallel_size": generate.vllm.tensor_parallel_size,
+                "pipeline_parallel_size": generate.vllm.pipeline_parallel_size,
+                "executor": resolve_executor(generate.vllm, joined_cluster=joined_cluster(config.address)) or "auto"}
+    import torch
+    import transformers
+
+    return {"name": "hf", "version": transformers.__version__, "torch": torch.__version__}
 
 
 def _check_chat_template(config: RegenerateConfig, scan: InputScan) -> None:
@@ -161,10 +207,13 @@ def _check_chat_template(config: RegenerateConfig, scan: InputScan) -> None:
                          "model {\"text\": ...} records to continue, or add a chat_template to tokenizer_config.json")
 
 
-def identity(config: RegenerateConfig, scan: InputScan) -> dict[str, Any]:
-    """What the output depends on; a rerun with the same identity resumes or finds the work done."""
+def identity(config: RegenerateConfig, scan: InputScan, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the output depends on; a rerun with the same identity resumes or finds the work done.
+
+    The engine counts when it is vLLM (name and version: its kernels round differently from transformers'),
+    not how it is spread over devices; the transformers engine is left out, so older outputs stay valid."""
     generate = asdict(config.generate)
-    for machine_only in ("model_path", "device", "threads", "trust_remote_code"):
+    for machine_only in ("model_path", "device", "threads", "trust_remote_code", "engine", "vllm"):
         generate.pop(machine_only)
     target = target_fingerprint(config.generate.model_path, config.generate.dtype,
                                 trust_remote_code=config.generate.trust_remote_code)
@@ -173,6 +222,8 @@ def identity(config: RegenerateConfig, scan: InputScan) -> dict[str, Any]:
              "sources": scan.sources}
     if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older outputs stay valid
         facts["max_record_bytes"] = config.max_record_bytes
+    if engine is not None and engine["name"] != "hf":
+        facts["engine"] = {"name": engine["name"], "version": engine["version"]}
     return facts
 
 
@@ -212,16 +263,18 @@ def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None
     _check(config)
     scan = scan_prompts(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
     _check_chat_template(config, scan)
+    engine = engine_facts(config)
     with output_lock(config.out):  # held for the whole job: two jobs never interleave chunks of one output
-        return _run_locked(config, scan, progress, started)
+        return _run_locked(config, scan, engine, progress, started)
 
 
-def _run_locked(config: RegenerateConfig, scan: InputScan, progress: Progress | None,
+def _run_locked(config: RegenerateConfig, scan: InputScan, engine: dict[str, Any], progress: Progress | None,
                 started: float) -> RegenerateSummary:
-    facts = identity(config, scan)
+    facts = identity(config, scan, engine)
     facts_hash = identity_sha256(facts)
     out, manifest = Path(config.out), manifest_path(config.out)
-    summary = RegenerateSummary(out=config.out)
+    summary = RegenerateSummary(out=config.out, engine=" ".join(
+        [engine["name"]] + ([engine["version"]] if engine["name"] != "hf" else [])))
     if out.exists():
         made = json.loads(manifest.read_text()) if manifest.is_file() else {}
         if made.get("identity_sha256") == facts_hash and not config.overwrite:
@@ -266,7 +319,7 @@ def _run_locked(config: RegenerateConfig, scan: InputScan, progress: Progress | 
     with ExitStack() as ray_session:  # Ray is joined (or started) only if some chunk is left to answer
         def start_actors() -> ActorDispatcher:
             ray_session.enter_context(ray_for_job(config.address, config.num_workers))
-            return _dispatcher(config, summary.chunks - len(committed), on_result)
+            return _dispatcher(config, summary.chunks - len(committed), on_result, log_dir=str(work))
 
         try:
             run = run_chunks(chunked(stream, config.chunk_size), committed=committed, start_actors=start_actors,
@@ -281,26 +334,34 @@ def _run_locked(config: RegenerateConfig, scan: InputScan, progress: Progress | 
             raise
     summary.chunks_resumed = len(run.kept)
     summary.generate_seconds = run.seconds
-    _assemble(config, stream.rejects, facts, facts_hash, summary.chunks, work, summary)
+    _assemble(config, stream.rejects, {**facts, "generated_by": engine}, facts_hash, summary.chunks, work, summary)
     shutil.rmtree(work)
     summary.seconds = time.perf_counter() - started
     summary.driver_peak_rss_mib = peak_rss_mib()
     return summary
 
 
-def _dispatcher(config: RegenerateConfig, pending: int, on_result: Any) -> ActorDispatcher:
+def _dispatcher(config: RegenerateConfig, pending: int, on_result: Any, *, log_dir: str | None = None) -> ActorDispatcher:
     """The generation actors for at most `pending` chunks: one per GPU (per --num-gpus-per-worker), or
     --num-workers, or one CPU actor using all cores. Two chunks in flight on each, run one after the other
-    (generate is not thread-safe): the next chunk is on the actor when one finishes."""
+    (generate is not thread-safe): the next chunk is on the actor when one finishes.
+
+    With --engine vllm an actor is one vLLM engine over tp x pp GPUs: it reserves them itself when vLLM runs
+    them as its own processes on the actor's node, and only a CPU when vLLM's Ray executor places them (its
+    placement group reserves the GPUs, on any node)."""
     from pipeline.regenerate.generation import ChunkAnswerer
 
-    pool = size_actor_pool(items=max(1, pending), num_workers=config.num_workers,
-                           num_gpus_per_worker=config.num_gpus_per_worker, threads=config.generate.threads,
-                           address=config.address)
-    generate = GenerateConfig(**{**asdict(config.generate), "model_path": os.path.abspath(config.generate.model_path),
-                                 "threads": pool.threads})
+    generate = config.generate
+    vllm = replace(generate.vllm, executor=resolve_executor(generate.vllm, joined_cluster=joined_cluster(config.address)))
+    per_worker = float(vllm.devices) if generate.engine == "vllm" else config.num_gpus_per_worker
+    pool = size_actor_pool(items=max(1, pending), num_workers=config.num_workers, num_gpus_per_worker=per_worker,
+                           threads=generate.threads, address=config.address)
+    if generate.engine == "vllm" and vllm.executor == "ray":
+        pool = replace(pool, resources={"num_cpus": 1})
+    generate = replace(generate, model_path=os.path.abspath(generate.model_path), threads=pool.threads, vllm=vllm)
     return ActorDispatcher(pool, ActorSpec(ChunkAnswerer, (generate,), method="answer", per_actor=2, concurrency=1,
-                                           label="generate"), on_result)
+                                           label=f"generate ({generate.engine})", kwargs={"log_dir": log_dir}),
+                           on_result)
 
 
 def _chunk_texts(work: Path, chunks: int) -> Iterator[tuple[str, dict[str, Any]]]:
