@@ -17,7 +17,7 @@ from pipeline.commands.train import train
 # Options whose default the library decides at run time, so their help describes it instead of a value.
 DESCRIBED_DEFAULTS = {"max_length", "key_layers", "vocab_chunk", "bf16"}
 # TrainConfig fields set only in a --config file: optimizer internals and sizes of the noise estimate.
-CONFIG_FILE_ONLY = {"min_batch_rows", "weight_decay", "betas", "grad_clip", "stage2_recompute", "rms_samples"}
+CONFIG_FILE_ONLY = {"min_batch_rows", "betas", "grad_clip", "stage2_recompute", "rms_samples"}
 
 
 def _options(command: click.Command) -> dict[str, click.Option]:
