@@ -229,7 +229,8 @@ def theirs_checkpoint(out: Path) -> Path:
 def _can_keep_theirs(previous: dict, report: dict, out: Path) -> bool:
     """Whether an earlier run's speculators drafter answers the same question: same size (steps, tokens per
     step, data), target, prompts and dtype, its training recorded and its checkpoint still on disk."""
-    same = all(previous.get(key) == report[key] for key in ("size", "target", "prompts", "dtype"))
+    as_json = json.loads(json.dumps(report))  # tuples as the lists a JSON file holds
+    same = all(previous.get(key) == as_json[key] for key in ("size", "target", "prompts", "dtype"))
     trained = "theirs-train" in previous.get("steps", {}) and (out / "logs" / "theirs-train.log").is_file()
     try:
         theirs_checkpoint(out)
@@ -256,6 +257,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ours-steps", type=int, default=None,
                    help="train ours for this many steps instead of the peer's (same tokens per step): the "
                         "equal-wall-time comparison; the results say so beside P15")
+    p.add_argument("--keep-ours", action="store_true",
+                   help="reuse our trained and exported drafter from an earlier run in --out when its train command "
+                        "was exactly this one's")
+    p.add_argument("--theirs-from", default=None,
+                   help="an earlier run's results (peer.json) whose speculators training and vLLM runs stand in for "
+                        "this run's, on the same data recipe, steps and prompts (checked); the results say so")
     p.add_argument("--keep-theirs", action="store_true",
                    help="reuse speculators' trained drafter and its vLLM runs from an earlier run in --out on the "
                         "same store and steps (its training takes most of the run); retrain ours only")
@@ -293,26 +300,50 @@ def main(argv=None) -> int:
 
     for name, cmd in data_commands(size, out, target, Path(args.sharegpt)):
         step(name, cmd, cli_env())
-    keep_theirs = args.keep_theirs and _can_keep_theirs(previous, report, out)
+    recorded = json.loads(Path(args.theirs_from).read_text(encoding="utf-8")) if args.theirs_from else None
+    if recorded is not None:
+        as_json = json.loads(json.dumps(report))  # tuples as the lists a JSON file holds
+        differs = [key for key in ("size", "prompts", "dtype") if recorded.get(key) != as_json[key]]
+        if differs:
+            raise SystemExit(f"--theirs-from {args.theirs_from}: its {differs} differ from this run's")
+    keep_theirs = recorded is None and args.keep_theirs and _can_keep_theirs(previous, report, out)
     if args.keep_theirs and not keep_theirs:
         print("--keep-theirs: no earlier speculators run on this store, size and prompts in "
               f"{results_path}; training it again", flush=True)
-    for earlier in (out / "ours", *(() if keep_theirs else (out / "theirs",))):  # this script's own runs
+    ours = ours_commands(size, out, target, ours_flags, args.ours_steps)
+    keep_ours = (args.keep_ours and previous.get("steps", {}).get("ours-train", {}).get("command") == shlex.join(ours[0][1])
+                 and "ours-export" in previous.get("steps", {}) and (out / "ours-eagle3" / "config.json").is_file())
+    if args.keep_ours and not keep_ours:
+        print("--keep-ours: no earlier run of this exact train command in --out; training ours again", flush=True)
+    kept = (*(() if keep_ours else (out / "ours",)), *(() if keep_theirs or recorded else (out / "theirs",)))
+    for earlier in kept:  # this script's own earlier runs, retrained
         if earlier.is_dir():
             shutil.rmtree(earlier)
-    for name, cmd in ours_commands(size, out, target, ours_flags, args.ours_steps):
-        step(name, cmd, cli_env())
-    if keep_theirs:
+    for name, cmd in ours:
+        if keep_ours:
+            report["steps"][name] = previous["steps"][name]
+            print(f"[{name}] kept from the run of {previous['date']}", flush=True)
+        else:
+            step(name, cmd, cli_env())
+    if recorded is not None:
+        report["steps"]["theirs-train"] = recorded["steps"]["theirs-train"]
+        report["theirs_from"] = {"file": args.theirs_from, "date": recorded["date"],
+                                 "theirs_steps_taken": recorded.get("theirs_steps_taken")}
+        print(f"[theirs] its training and vLLM runs from {args.theirs_from} ({recorded['date']})", flush=True)
+    elif keep_theirs:
         report["steps"]["theirs-train"] = previous["steps"]["theirs-train"]
         report["theirs_reused_from"] = previous["date"]
         print(f"[theirs-train] kept from the run of {previous['date']}", flush=True)
     else:
         step(*theirs_command(size, out, target), speculators_env())
-    report["theirs_steps_taken"] = theirs_steps(out / "logs" / "theirs-train.log")
+    report["theirs_steps_taken"] = (recorded.get("theirs_steps_taken") if recorded is not None
+                                    else theirs_steps(out / "logs" / "theirs-train.log"))
     report["speculators_cpu_changes"] = ("bench/speculators_cpu.py: device 'cpu' for the model and batches, CPU "
                                          "autocast, no accelerator synchronize; flags " +
                                          " ".join(SPECULATORS_CPU_FLAGS))
-    drafters = {"ours": out / "ours-eagle3", "theirs": theirs_checkpoint(out)}
+    drafters = {"ours": out / "ours-eagle3"}
+    if recorded is None:
+        drafters["theirs"] = theirs_checkpoint(out)
     report["drafters"] = {k: str(v) for k, v in drafters.items()}
 
     runs = out / "serve"
@@ -344,6 +375,8 @@ def main(argv=None) -> int:
                         "per_position_acceptance": spec.get("per_position_acceptance"),
                         "speedup": spec["tokens_per_second"] / plain["tokens_per_second"],
                         **compare(plain, spec)}
+        if recorded is not None:  # its speedup is over its own session's plain run
+            row["theirs"] = {**recorded["by_k"][str(k)]["theirs"], "recorded": recorded["date"]}
         row["P15"] = row["ours"]["acceptance_length"] / row["theirs"]["acceptance_length"]
         rows[k] = row
         report["by_k"] = rows
