@@ -59,3 +59,22 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{platform.machine()} {platform.processor() or ''}".strip() + f", {os.cpu_count()} CPU cores, {gpu}, "
             f"Python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident set of process `pid` and all its descendants, in MiB (0 once it has ended): what a benchmark's
+    peak memory of a command means, dataloader workers and engine processes included."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    rss = 0
+    for process in processes:
+        try:
+            rss += process.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return rss / 2**20

@@ -41,7 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DEMO_MODEL, DEMO_QUESTIONS, DEMO_SHAREGPT, ROOT, machine, require_demo  # noqa: E402
+from bench.common import (DEMO_MODEL, DEMO_QUESTIONS, DEMO_SHAREGPT, ROOT, machine, require_demo,  # noqa: E402
+                          tree_rss_mib)
 from bench.serve import VLLM_PYTHON, compare, run_vllm  # noqa: E402
 
 SPECULATORS_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
@@ -80,27 +81,10 @@ def beagle_pipeline() -> list[str]:
     return [sys.executable, "-c", "from pipeline.cli import main; main(prog_name='beagle-pipeline')"]
 
 
-def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def measured_run(cmd: list[str], log_path: Path, *, env: dict | None = None, interval: float = 0.25) -> dict:
     """Run `cmd` to completion with its output in `log_path`: wall seconds, exit code and the peak resident
     set of its whole process tree (dataloader workers included), sampled every `interval` seconds."""
-    peak = [0]
+    peak = [0.0]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
@@ -108,7 +92,7 @@ def measured_run(cmd: list[str], log_path: Path, *, env: dict | None = None, int
 
         def sample() -> None:
             while process.poll() is None:
-                peak[0] = max(peak[0], _tree_rss(process.pid))
+                peak[0] = max(peak[0], tree_rss_mib(process.pid))
                 time.sleep(interval)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -116,7 +100,7 @@ def measured_run(cmd: list[str], log_path: Path, *, env: dict | None = None, int
         rc = process.wait()
         sampler.join()
     seconds = time.perf_counter() - started
-    result = {"command": shlex.join(cmd), "seconds": seconds, "returncode": rc, "peak_rss_mib": peak[0] / 2**20,
+    result = {"command": shlex.join(cmd), "seconds": seconds, "returncode": rc, "peak_rss_mib": peak[0],
               "log": str(log_path)}
     if rc != 0:
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]

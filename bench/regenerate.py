@@ -39,7 +39,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from beagle.decoding.verify import _cache_keyword  # noqa: E402
 
-from bench.common import DEMO_MODEL, DEMO_SHAREGPT, emit, record, require_demo  # noqa: E402
+from bench.common import DEMO_MODEL, DEMO_SHAREGPT, emit, record, require_demo, tree_rss_mib  # noqa: E402
 from beagle.prompts import render  # noqa: E402
 from pipeline.regenerate.generation import ConversationGenerator, GenerateConfig  # noqa: E402
 from pipeline.regenerate.prompts import PromptRecord  # noqa: E402
@@ -110,24 +110,6 @@ def engine_child(args: argparse.Namespace) -> None:
         generator.engine.close()
 
 
-def _tree_rss_mib(pid: int) -> float:
-    """The sum of RSS in MiB of process `pid` and its descendants (0 for those that just ended)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    rss = 0
-    for process in processes:
-        try:
-            rss += process.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return rss / 2**20
-
-
 def measure_engine(engine: str, args: argparse.Namespace) -> dict:
     """Run `engine_child` for `engine` in a fresh interpreter, sampling its process tree's memory."""
     command = [sys.executable, __file__, "--child", engine, "--prompts", str(args.prompts), "--batch-size",
@@ -141,7 +123,7 @@ def measure_engine(engine: str, args: argparse.Namespace) -> dict:
 
     def sample() -> None:
         while child.poll() is None:
-            peak["rss"] = max(peak["rss"], _tree_rss_mib(child.pid))
+            peak["rss"] = max(peak["rss"], tree_rss_mib(child.pid))
             time.sleep(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
