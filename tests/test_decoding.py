@@ -299,3 +299,18 @@ def test_the_eagle2_baseline_drafter_decodes_identically(reduced):
             assert spec.tokens == plain
             accepted += sum(spec.accepted)
     assert accepted > 10
+
+
+def test_a_buffer_outgrown_keeps_its_scratch_rows():
+    """A draft tree writes its keys past the committed length and attends to them at the next step; when that
+    write outgrows the buffer, the reallocation must carry those scratch rows too (a bf16 tree once attended to
+    uninitialised memory here and drafted NaN)."""
+    from beagle.decoding.kv_cache import KeyValueBuffer
+
+    buffer = KeyValueBuffer(capacity=4)
+    rows = torch.arange(1, 7, dtype=torch.float32).view(1, 1, 6, 1)          # [B, H_kv, 6, hd]
+    buffer.append(rows[..., :2, :], rows[..., :2, :])                          # committed: rows 0, 1
+    buffer.write(2, rows[..., 2:4, :], rows[..., 2:4, :])                      # scratch: rows 2, 3 (capacity 4)
+    buffer.write(4, rows[..., 4:, :], rows[..., 4:, :])                        # outgrows: reallocated
+    keys, values = buffer.view(4)
+    assert torch.equal(keys, rows) and torch.equal(values, rows) and buffer.length == 2

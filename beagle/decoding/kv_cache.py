@@ -39,11 +39,14 @@ class KeyValueBuffer:
             self._grow(capacity)
 
     def _grow(self, needed: int) -> None:
-        size = max(needed, _GROWTH * self._keys.shape[-2])
+        """Reallocate to hold `needed` rows, keeping every row written so far: the committed ones and the scratch
+        rows past `length` too (a draft tree's keys live there while later steps write more and attend to them)."""
+        old = self._keys.shape[-2]
+        size = max(needed, _GROWTH * old)
         keys = self._keys.new_empty(*self._keys.shape[:-2], size, self._keys.shape[-1])
         values = self._values.new_empty(*self._values.shape[:-2], size, self._values.shape[-1])
-        keys[..., :self.length, :] = self._keys[..., :self.length, :]
-        values[..., :self.length, :] = self._values[..., :self.length, :]
+        keys[..., :old, :] = self._keys
+        values[..., :old, :] = self._values
         self._keys, self._values = keys, values
 
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> int:
