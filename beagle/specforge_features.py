@@ -16,7 +16,7 @@ store, without the target:
 
 How SpecForge reads it decides the rest. `runtime/data_plane/offline_reader.py` lists every `*.ckpt` /
 `*.ckpt.gz` under `data.hidden_states_path` (sorted, any depth); `feature_store.load_feature_file` opens each
-with `torch.load(path, weights_only=False, mmap=True)`; `algorithms/eagle3/data.py` feeds `aux_hidden_state`
+with torch's loader (memory-mapped, its `weights_only` check off: SpecForge's side, never ours); `algorithms/eagle3/data.py` feeds `aux_hidden_state`
 to the draft and `hidden_state` to the teacher, `TargetHead` = the target's LM head alone, so `hidden_state`
 is the state *after* the final norm (what SGLang's logits processor receives): our layer -1, bit for bit (no
 norm inversion, unlike speculators' format). SGLang captures aux id k (SpecForge's

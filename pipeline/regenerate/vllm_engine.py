@@ -121,12 +121,13 @@ class VllmEngine:
         self.config = config
         settings: VllmConfig = config.vllm
         try:
-            generation = GenerationConfig.from_pretrained(config.model_path)
+            generation = GenerationConfig.from_pretrained(config.model_path, local_files_only=True)
         except OSError:  # no generation_config.json: transformers builds it from config.json, as here
             from transformers import AutoConfig
 
             generation = GenerationConfig.from_model_config(
-                AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code))
+                AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code,
+                                           local_files_only=True))
         self.eos_ids = eos_token_ids(tokenizer, generation)  # the set the transformers engine stops at
         python = vllm_python(settings)
         folder = Path(log_dir) if log_dir and Path(log_dir).is_dir() else Path(tempfile.gettempdir())
