@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from beagle.errors import BeagleError
 from beagle.records import RejectReason, RejectRecord
 from pipeline.extract.chat import tokenize_record
 from pipeline.jobkit.target import load_tokenizer
@@ -87,9 +88,24 @@ class ShardExtractor:
         self.config = config
         self.store_url = store_url
         self.encoding = encoding or StoreEncoding(config.dtype)  # the stored dtype and codec
-        self.forward = TargetForward(config)
+        # An engine that cannot start (vLLM refusing the model) is raised by the first shard's call: Ray hands
+        # a method's exception back as itself, for the one-line report, but a constructor's only as text.
+        self.failed: BeagleError | None = None
+        self.forward: Any = None
+        try:
+            self.forward = open_forward(config)
+        except BeagleError as error:
+            self.failed = error
         self._forward_lock = threading.Lock()
         self._head_done = False
+
+    def close(self) -> None:
+        """End the engine (a vLLM worker process and its scratch folder); the dispatcher calls it before it
+        stops the actor."""
+        with self._forward_lock:
+            if self.forward is not None and hasattr(self.forward, "close"):
+                self.forward.close()
+            self.forward = None
 
     def _ensure_head(self) -> None:
         from pipeline.store import format as fmt
@@ -108,6 +124,8 @@ class ShardExtractor:
         "forward_seconds", "spans": [forward start, forward end, committed] (time.time()), "pid", "node"}."""
         from pipeline.extract.state_encoding import write_shard
 
+        if self.failed is not None:
+            raise self.failed
         with self._forward_lock:  # one forward at a time on the device; the other thread writes meanwhile
             forward_started = time.time()
             states = self.forward.hidden_states([s["input_ids"] for s in samples])  # each [n_layers, L, d]
@@ -137,6 +155,16 @@ class ShardExtractor:
         return {"shard_index": int(shard_index), "info": info, "seconds": committed - forward_started,
                 "forward_seconds": forward_ended - forward_started,  # waiting for the lock is not forward time
                 "spans": [forward_started, forward_ended, committed], "pid": os.getpid(), "node": _node_id()}
+
+
+def open_forward(config: ForwardConfig) -> Any:
+    """The engine that runs the target in this actor: transformers (`TargetForward`) or a vLLM worker
+    (`VllmForward`); both give per-sample states [n_layers, L, d] and the head."""
+    if config.engine == "vllm":
+        from pipeline.extract.vllm_forward import VllmForward
+
+        return VllmForward(config)
+    return TargetForward(config)
 
 
 def _node_id() -> str:

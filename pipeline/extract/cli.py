@@ -1,9 +1,12 @@
 """`beagle-pipeline extract`: the click command; builds an ExtractConfig, draws progress, prints the summary."""
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from beagle.devices import DTYPES
+from pipeline.commands.engine_options import engine_options, vllm_config
 from pipeline.commands.errors import as_click_error
 from pipeline.commands.options import default_option, field_default
 from pipeline.extract.pipeline import ExtractConfig, dry_run, run_extract
@@ -70,6 +73,10 @@ def _forms(value: str | None) -> tuple[str, ...] | None:
                 help="GPUs per forward actor; > 1 for targets that do not fit one GPU (with --device-map auto).")
 @click.option("--device-map", type=click.Choice(["auto"]), default=None,
               help="auto: spread the target's layers over the actor's GPUs (needs accelerate).")
+@engine_options(ExtractConfig, engine_help="hf: a transformers forward with hooks in the actors; vllm: vLLM's "
+                "extract_hidden_states method in a worker process of the vLLM environment (see --vllm-python; "
+                "tensor/pipeline parallel targets). The engine is part of the store's identity: a store is never "
+                "resumed with the other one.")
 @click.option("--address", default=None, help="Ray cluster to join (default: start a local Ray).")
 @click.option("--limit", type=int, default=None, help="Use only the first N usable records.")
 @default_option(ExtractConfig, "max_record_bytes", "--max-record-bytes", type=click.IntRange(min=1),
@@ -92,7 +99,7 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
             dtype: str, store_dtype: str | None, compression: str, batch_tokens: int | None, num_workers: int | None, num_gpus_per_worker: float,
             device_map: str | None, address: str | None, limit: int | None, max_record_bytes: int,
             max_turns: int, samples_per_shard: int, overwrite: bool, dry_run: bool, trust_remote_code: bool,
-            no_progress: bool) -> None:
+            no_progress: bool, engine: str, **vllm_options: Any) -> None:
     """Run the target over conversations and store its hidden states for drafter training.
 
     Rerun the same command after a crash: committed shards are kept and the rest is redone.
@@ -110,7 +117,8 @@ def extract(model_path: str, data: tuple[str, ...], out: str, layers: tuple[int,
                            batch_tokens=batch_tokens, num_workers=num_workers,
                            num_gpus_per_worker=num_gpus_per_worker, device_map=device_map, address=address,
                            limit=limit, max_record_bytes=max_record_bytes, max_turns=max_turns, overwrite=overwrite,
-                           trust_remote_code=trust_remote_code, samples_per_shard=samples_per_shard)
+                           trust_remote_code=trust_remote_code, samples_per_shard=samples_per_shard,
+                           engine=engine, vllm=vllm_config(vllm_options))
     progress = TqdmProgress(desc="extract", unit="record", enabled=not no_progress)
     try:
         summary = dry_run_fn(config) if dry_run else run_extract(config, progress=progress)

@@ -19,6 +19,7 @@ from beagle.devices import pick_device
 from beagle.layer_capture import LayerCapture, base_model, normalize_layers
 from beagle.target_facts import facts_from_config
 from beagle.target_model import TargetSpec
+from pipeline.jobkit.vllm_process import VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class ForwardConfig:
     threads: int | None = None  # torch CPU threads; None leaves torch's default
     trust_remote_code: bool = False
     device_map: str | None = None  # "auto": spread layers over every GPU the actor sees (targets > 1 GPU)
+    engine: str = "hf"  # "vllm": the states from vLLM (pipeline/extract/vllm_forward.py)
+    vllm: VllmConfig = VllmConfig()  # --engine vllm: its environment and how one engine spreads
+    max_length: int = 2048  # --engine vllm: the longest sample, vLLM's max_model_len less the one token sampled
 
     @property
     def target(self) -> TargetSpec:

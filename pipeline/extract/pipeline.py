@@ -41,7 +41,8 @@ from pipeline.jobkit.dispatch import ActorDispatcher, ActorSpec
 from pipeline.jobkit.target import load_tokenizer, target_fingerprint
 from pipeline.jobkit.plan import run_chunks
 from pipeline.jobkit.progress import Progress
-from pipeline.jobkit.ray_session import ray_for_job, size_actor_pool
+from pipeline.jobkit.ray_session import joined_cluster, ray_for_job
+from pipeline.jobkit.vllm_process import VllmConfig, check_vllm_options, engine_actor_pool, engine_facts, engine_identity
 from pipeline.jobkit.record_stream import (InputChangedError, InputScan, RecordStream, check_unchanged,
                                            refuse_changed)
 from pipeline.jobkit.rejects import count_reasons, sorted_rejects
@@ -80,6 +81,8 @@ class ExtractConfig:
     tokenize_chunk: int = 512  # records per tokenize task (fewer when they are long: tokenize_chunk_chars)
     tokenize_chunk_chars: int = 8 << 20  # about this many characters of text per tokenize task at most
     tokenize_tasks: int = 4  # tokenize tasks in flight at once: with the chunk size, the records held at once
+    engine: str = "hf"  # "vllm": vLLM runs the target (pipeline/extract/vllm_forward.py)
+    vllm: VllmConfig = VllmConfig()  # --engine vllm: its environment and how one engine spreads
 
     @property
     def target(self) -> TargetSpec:
@@ -133,6 +136,7 @@ def prepare(config: ExtractConfig) -> Prepared:
     facts = read_target_facts(config.model_path, trust_remote_code=config.trust_remote_code)
     check_weights_match(config.model_path, facts.hidden_size, facts.vocab_size, facts.num_hidden_layers)
     n = facts.num_hidden_layers
+    _check_engine(config, facts.max_position_embeddings)
     if config.layers is not None and config.layers_for is not None:
         raise SettingsError("--layers and --layers-for both choose the captured layers; give one")
     layers = normalize_layers(config.layers if config.layers is not None else capture_layers(config.layers_for, n), n)
@@ -143,6 +147,20 @@ def prepare(config: ExtractConfig) -> Prepared:
         raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
                          "conversations; add a chat_template to tokenizer_config.json")
     return Prepared(config, tokenizer, layers, facts.hidden_size, facts.vocab_size, scan)
+
+
+def _check_engine(config: ExtractConfig, max_positions: int | None) -> None:
+    """--engine and vLLM's options, before anything starts (pipeline/jobkit/vllm_process.py)."""
+    check_vllm_options(config.engine, config.vllm, num_gpus_per_worker=config.num_gpus_per_worker)
+    if config.engine != "vllm":
+        return
+    if config.device_map:
+        raise ValueError("--device-map is the transformers engine's; with --engine vllm give "
+                         "--tensor-parallel-size / --pipeline-parallel-size")
+    if max_positions and config.max_length >= max_positions:
+        # vLLM takes no prompt of the model's positions or more (one token is sampled after it)
+        raise ValueError(f"--max-length {config.max_length}: the target has {max_positions} positions, and vLLM "
+                         f"takes no prompt that long; give at most {max_positions - 1}")
 
 
 def _records(prepared: Prepared) -> RecordStream:
@@ -160,8 +178,10 @@ def _samples(prepared: Prepared, records: RecordStream, *, use_ray: bool) -> Ite
                      in_flight=config.tokenize_tasks if use_ray else None)
 
 
-def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
-    """The facts the dataset_id is computed from (see pipeline.store.store_identity)."""
+def identity(prepared: Prepared, target: dict, engine: dict[str, Any] | None = None) -> dict[str, dict]:
+    """The facts the dataset_id is computed from (see pipeline.store.store_identity). vLLM's name and version
+    count (its kernels round differently: a store from one engine is never resumed with the other), the
+    transformers engine does not, so stores made before the engine was chosen keep their id."""
     config = prepared.config
     capture = {"layers": prepared.layers, "dtype": config.encoding.dtype, "max_length": config.max_length,
                "samples_per_shard": config.samples_per_shard, "limit": config.limit,
@@ -172,6 +192,8 @@ def identity(prepared: Prepared, target: dict) -> dict[str, dict]:
         capture["max_turns"] = config.max_turns
     if config.encoding.compression != "none":
         capture["compression"] = config.encoding.compression
+    if engine is not None and engine_identity(engine) is not None:
+        capture["engine"] = engine_identity(engine)
     return {"target": target, "tokenizer": tokenizer_fingerprint(config.model_path, prepared.tokenizer),
             "capture": capture, "source": {"files": prepared.scan.sources}}
 
@@ -306,13 +328,14 @@ def _dispatcher(prepared: Prepared, url: str, pending: int, forwarded: Forwarded
     from pipeline.extract.actor import ShardExtractor
 
     config = prepared.config
-    pool = size_actor_pool(items=pending, num_workers=config.num_workers,
-                           num_gpus_per_worker=config.num_gpus_per_worker, threads=config.threads,
-                           address=config.address)
+    pool, vllm = engine_actor_pool(config.engine, config.vllm, items=pending, num_workers=config.num_workers,
+                                   num_gpus_per_worker=config.num_gpus_per_worker, threads=config.threads,
+                                   address=config.address)
     forward_config = ForwardConfig(model_path=_absolute(config.model_path), layers=tuple(prepared.layers),
                                    dtype=config.dtype, batch_tokens=default_batch_tokens(config, pool.kind),
                                    threads=pool.threads,
-                                   trust_remote_code=config.trust_remote_code, device_map=config.device_map)
+                                   trust_remote_code=config.trust_remote_code, device_map=config.device_map,
+                                   engine=config.engine, vllm=vllm, max_length=config.max_length)
 
     def on_result(result: dict[str, Any]) -> None:
         info = forwarded.record(result)
@@ -320,7 +343,7 @@ def _dispatcher(prepared: Prepared, url: str, pending: int, forwarded: Forwarded
             progress.advance(info["samples"] + len(info.get("rejects", ())), info["tokens"], this_run=True)
 
     spec = ActorSpec(ShardExtractor, (forward_config, url, config.encoding), method="extract", per_actor=2,
-                     concurrency=2, label="forward")
+                     concurrency=2, label=f"forward ({config.engine})", close_method="close")
     return ActorDispatcher(pool, spec, on_result)
 
 
@@ -346,8 +369,10 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
     from pipeline.store import begin_store, committed_shards, compute_dataset_id, store_identity
     from pipeline.store.writer import abandon_new_store
 
+    engine = engine_facts(config.engine, config.vllm, config.model_path, trust_remote_code=config.trust_remote_code,
+                          joined_cluster=joined_cluster(config.address))
     facts = identity(prepared, target_fingerprint(config.model_path, config.dtype,
-                                                  trust_remote_code=config.trust_remote_code))
+                                                  trust_remote_code=config.trust_remote_code), engine)
     dataset_id = compute_dataset_id(store_identity(**facts))
     state = begin_store(url, dataset_id, overwrite=config.overwrite)
     if state == "complete":
@@ -375,7 +400,8 @@ def _run_locked(config: ExtractConfig, prepared: Prepared, url: str, progress: P
                              "nothing to extract; check the input format and --max-length")
         summary.forward_seconds = streamed.forwarded.seconds
         summary.forward_tokens = sum(i["tokens"] for i in streamed.forwarded.infos)
-        _commit_store(prepared, url, dataset_id, facts, summary, streamed.rejects, shards, streamed.batch_tokens)
+        _commit_store(prepared, url, dataset_id, facts, summary, streamed.rejects, shards, streamed.batch_tokens,
+                      engine)
     summary.shards, summary.shards_resumed, summary.state = streamed.shards, len(streamed.kept), state
     _add_run_facts(summary, streamed.forwarded, url, started)
     return summary
@@ -410,7 +436,8 @@ def _head_from_files(config: ExtractConfig, prepared: Prepared) -> dict:
 
 
 def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str, dict],
-                  summary: ExtractSummary, rejects: list[dict], shards: list[dict], batch_tokens: int | None) -> None:
+                  summary: ExtractSummary, rejects: list[dict], shards: list[dict], batch_tokens: int | None,
+                  engine: dict[str, Any]) -> None:
     """Write what the shards do not hold (the head, the rejects), then the manifest that makes it a store."""
     from pipeline.extract.state_encoding import write_head
     from pipeline.store import commit_manifest, write_rejects
@@ -425,7 +452,7 @@ def _commit_store(prepared: Prepared, url: str, dataset_id: str, facts: dict[str
     extra = {"extract": {"version": EXTRACT_VERSION, "truncated": summary.truncated,
                          "dropped_leading_assistant": summary.dropped_leading_assistant,
                          "loss_mask_method": "generation_markers" if has_generation_markers(prepared.tokenizer)
-                         else "prefix_diff", "batch_tokens": batch_tokens}}
+                         else "prefix_diff", "batch_tokens": batch_tokens, "engine": engine}}
     # A shard's rejects stay in its shard.json (for a resume) and go to rejects.jsonl, not into the manifest.
     shards = [{key: value for key, value in info.items() if key != "rejects"} for info in shards]
     commit_manifest(url, dataset_id=dataset_id, **facts, shards=shards, rejected=summary.rejected_by_reason,

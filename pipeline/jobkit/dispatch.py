@@ -25,6 +25,12 @@ from pipeline.jobkit.ray_session import ActorPool
 
 logger = logging.getLogger(__name__)
 
+CLOSE_SECONDS = 120.0  # how long `close` waits for the actors' own close (a vLLM engine's shutdown)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
 
 @dataclass(frozen=True)
 class ActorSpec:
@@ -38,6 +44,9 @@ class ActorSpec:
     concurrency: int = 1
     label: str = "work"  # for logs: "forward", "generate"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # called on each actor before it is killed, so that what it started outside Ray (a vLLM worker process
+    # and its scratch folder) ends cleanly: Ray's kill ends the actor's child processes with it, abruptly
+    close_method: str | None = None
 
 
 class ActorDispatcher:
@@ -87,9 +96,17 @@ class ActorDispatcher:
         return self.seconds
 
     def close(self) -> None:
-        """Stop the actors (a failed job must not keep committing chunks after the driver has given up)."""
+        """Stop the actors (a failed job must not keep committing chunks after the driver has given up),
+        after their `close_method` where the spec has one and no chunk is in flight (at most CLOSE_SECONDS;
+        a failed or interrupted job does not wait behind a chunk, its actors are killed as they are)."""
         import ray
 
+        if self.spec.close_method and self.actors and not self.in_flight:
+            closing = [getattr(actor, self.spec.close_method).remote() for actor in self.actors]
+            try:
+                ray.get(closing, timeout=CLOSE_SECONDS)
+            except Exception as error:  # noqa: BLE001 - the actors are killed next whatever happened
+                logger.warning("%s: closing the actors: %s", self.spec.label, _first_line(error))
         for actor in self.actors:
             ray.kill(actor)
         self.actors, self.in_flight = [], {}

@@ -1,16 +1,18 @@
 """`beagle-pipeline regenerate`: the click command; builds a RegenerateConfig, draws progress, prints the summary."""
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from beagle.devices import DTYPES
+from pipeline.commands.engine_options import engine_options, vllm_config
 from pipeline.commands.errors import as_click_error
 from pipeline.commands.options import default_option
 from pipeline.jobkit.cli import TqdmProgress, echo_summary
 from pipeline.jobkit.ray_session import quiet_ray_loggers
-from pipeline.regenerate.generation import ENGINES, GenerateConfig
+from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import RegenerateConfig, run_regenerate
-from pipeline.regenerate.vllm_engine import EXECUTORS, VllmConfig
 
 
 @click.command("regenerate")
@@ -35,21 +37,8 @@ from pipeline.regenerate.vllm_engine import EXECUTORS, VllmConfig
 @default_option(GenerateConfig, "dtype", "--dtype", type=click.Choice(sorted(DTYPES)), help="Model dtype while generating.")
 @default_option(GenerateConfig, "batch_size", "--batch-size", type=click.IntRange(min=1),
                 help="Conversations per generate call (hf); with --engine vllm, rows in flight (max_num_seqs).")
-@default_option(GenerateConfig, "engine", "--engine", type=click.Choice(ENGINES),
-                help="hf: transformers `generate` in the actors; vllm: vllm.LLM (continuous batching, paged "
-                     "attention) in a worker process of the vLLM environment (see --vllm-python).")
-@default_option(VllmConfig, "tensor_parallel_size", "--tensor-parallel-size", type=click.IntRange(min=1),
-                help="--engine vllm: GPUs one engine splits each layer over.")
-@default_option(VllmConfig, "pipeline_parallel_size", "--pipeline-parallel-size", type=click.IntRange(min=1),
-                help="--engine vllm: stages one engine splits the layers into (may span nodes with Ray).")
-@click.option("--vllm-executor", "vllm_executor", type=click.Choice(EXECUTORS), default=None,
-              help="--engine vllm: vLLM's distributed executor. Default: ray when joining a cluster (--address) "
-                   "with tp x pp > 1, else vLLM's choice.")
-@click.option("--vllm-python", default=None, type=click.Path(),
-              help="--engine vllm: the interpreter of the vLLM environment. Default: $BEAGLE_VLLM_PYTHON, else this "
-                   "one if it has vllm, else .venv-vllm/bin/python (make serve-venv).")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-              help="--engine vllm: share of device memory vLLM may take. Default: vLLM's on a GPU, 0.3 on a CPU.")
+@engine_options(GenerateConfig, engine_help="hf: transformers `generate` in the actors; vllm: vllm.LLM (continuous "
+                "batching, paged attention) in a worker process of the vLLM environment (see --vllm-python).")
 @default_option(RegenerateConfig, "chunk_size", "--chunk-size", type=click.IntRange(min=1),
                 help="Conversations per actor task; a crash loses at most the chunks in flight.")
 @click.option("--num-workers", type=int, default=None,
@@ -68,8 +57,7 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
                temperature: float, top_p: float, seed: int, dtype: str, batch_size: int, chunk_size: int,
                num_workers: int | None, num_gpus_per_worker: float, address: str | None, limit: int | None,
                max_record_bytes: int, overwrite: bool, trust_remote_code: bool, no_progress: bool, engine: str,
-               tensor_parallel_size: int, pipeline_parallel_size: int, vllm_executor: str | None,
-               vllm_python: str | None, gpu_memory_utilization: float | None) -> None:
+               **vllm_options: Any) -> None:
     """Let the target answer the prompts itself, for self-distillation.
 
     A drafter is measured on the target's own answers, so it learns most from them: run this, then
@@ -81,9 +69,7 @@ def regenerate(model_path: str, data: tuple[str, ...], out: str, max_new_tokens:
                               max_prompt_length=max_prompt_length, max_turns=max_turns, batch_size=batch_size,
                               temperature=temperature,
                               top_p=top_p, seed=seed, trust_remote_code=trust_remote_code, engine=engine,
-                              vllm=VllmConfig(python=vllm_python, tensor_parallel_size=tensor_parallel_size,
-                                              pipeline_parallel_size=pipeline_parallel_size, executor=vllm_executor,
-                                              gpu_memory_utilization=gpu_memory_utilization))
+                              vllm=vllm_config(vllm_options))
     config = RegenerateConfig(generate=generate, data=tuple(data), out=out, limit=limit,
                               max_record_bytes=max_record_bytes, chunk_size=chunk_size,
                               num_workers=num_workers, num_gpus_per_worker=num_gpus_per_worker, address=address,

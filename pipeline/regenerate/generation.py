@@ -27,11 +27,10 @@ from beagle.records import TEXT_ROLE, RejectReason
 from beagle.target_model import TargetSpec
 from pipeline.jobkit.target import load_tokenizer
 from pipeline.regenerate.prompts import PromptRecord
-from pipeline.regenerate.vllm_engine import VllmConfig
+from pipeline.jobkit.vllm_process import ENGINES, VllmConfig  # noqa: F401 - ENGINES: the choices of --engine
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
@@ -236,6 +235,12 @@ class ChunkAnswerer:
             self.generator = ConversationGenerator(config, log_dir=log_dir)
         except BeagleError as error:
             self.failed = error
+
+    def close(self) -> None:
+        """End the engine (a vLLM worker process); the dispatcher calls it before it stops the actor."""
+        engine = getattr(getattr(self, "generator", None), "engine", None)
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
 
     def answer(self, chunk_index: int, records: list[PromptRecord]) -> dict[str, Any]:
         """{"chunk", "lines", "conversations", "tokens", "seconds", "pid"} of chunk `chunk_index`; sampling

@@ -44,15 +44,16 @@ from pipeline.jobkit.identity import identity_sha256
 from pipeline.jobkit.outputs import output_lock, write_lines
 from pipeline.jobkit.plan import chunked, run_chunks
 from pipeline.jobkit.progress import Progress
-from pipeline.jobkit.ray_session import ray_for_job, size_actor_pool
+from pipeline.jobkit.ray_session import ray_for_job
 from pipeline.jobkit.record_stream import InputChangedError, InputScan, check_unchanged, refuse_changed
 from pipeline.store import atomic
 from pipeline.jobkit.rejects import count_reasons, format_reasons, sorted_rejects
 from pipeline.jobkit.target import load_tokenizer, target_fingerprint
 from pipeline.jobkit.ray_session import joined_cluster
-from pipeline.regenerate.generation import ENGINES, GenerateConfig
+from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.prompts import scan_prompts, stream_prompts
-from pipeline.regenerate.vllm_engine import EXECUTORS, VllmConfig, probe_vllm, resolve_executor
+from pipeline.jobkit.vllm_process import check_vllm_options, engine_actor_pool, engine_identity
+from pipeline.jobkit.vllm_process import engine_facts as run_engine_facts
 
 logger = logging.getLogger(__name__)
 
@@ -153,22 +154,10 @@ def _check(config: RegenerateConfig) -> None:
 
 
 def _check_engine(config: RegenerateConfig, max_positions: int | None) -> None:
-    generate, vllm = config.generate, config.generate.vllm
-    if generate.engine not in ENGINES:
-        raise ValueError(f"--engine {generate.engine}: use one of {', '.join(ENGINES)}")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(vllm, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(vllm, name)}: must be at least 1")
-    if vllm.executor is not None and vllm.executor not in EXECUTORS:
-        raise ValueError(f"--vllm-executor {vllm.executor}: use one of {', '.join(EXECUTORS)}")
-    if generate.engine == "hf" and vllm != VllmConfig():
-        raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and the --vllm-* options are vLLM's: "
-                         "add --engine vllm, or leave them out")
+    generate = config.generate
+    check_vllm_options(generate.engine, generate.vllm, num_gpus_per_worker=config.num_gpus_per_worker)
     if generate.engine != "vllm":
         return
-    if config.num_gpus_per_worker != 1.0:
-        raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: with --engine vllm each engine takes "
-                         "--tensor-parallel-size x --pipeline-parallel-size GPUs; leave it out")
     if max_positions and generate.max_prompt_length >= max_positions:
         # vLLM refuses a prompt longer than the model's positions (the whole round would fail); transformers
         # would run past them. An answer reaching the limit is cut there and counted as unfinished.
@@ -178,20 +167,10 @@ def _check_engine(config: RegenerateConfig, max_positions: int | None) -> None:
 
 
 def engine_facts(config: RegenerateConfig) -> dict[str, Any]:
-    """What generates, the manifest's `generated_by`: the engine, its version and how it is spread (the vLLM
-    environment is probed here, before Ray starts, so a missing one or an architecture it lacks is a one-line
-    error)."""
+    """What generates, the manifest's `generated_by` (pipeline/jobkit/vllm_process.py `engine_facts`)."""
     generate = config.generate
-    if generate.engine == "vllm":
-        found = probe_vllm(generate.vllm, generate.model_path, trust_remote_code=generate.trust_remote_code)
-        return {"name": "vllm", "version": found["vllm"], "python": found["python"],
-                "tensor_parallel_size": generate.vllm.tensor_parallel_size,
-                "pipeline_parallel_size": generate.vllm.pipeline_parallel_size,
-                "executor": resolve_executor(generate.vllm, joined_cluster=joined_cluster(config.address)) or "auto"}
-    import torch
-    import transformers
-
-    return {"name": "hf", "version": transformers.__version__, "torch": torch.__version__}
+    return run_engine_facts(generate.engine, generate.vllm, generate.model_path,
+                            trust_remote_code=generate.trust_remote_code, joined_cluster=joined_cluster(config.address))
 
 
 def _check_chat_template(config: RegenerateConfig, scan: InputScan) -> None:
@@ -222,8 +201,8 @@ def identity(config: RegenerateConfig, scan: InputScan, engine: dict[str, Any] |
              "sources": scan.sources}
     if config.max_record_bytes != DEFAULT_MAX_RECORD_BYTES:  # recorded only when set: older outputs stay valid
         facts["max_record_bytes"] = config.max_record_bytes
-    if engine is not None and engine["name"] != "hf":
-        facts["engine"] = {"name": engine["name"], "version": engine["version"]}
+    if engine is not None and engine_identity(engine) is not None:
+        facts["engine"] = engine_identity(engine)
     return facts
 
 
@@ -346,21 +325,17 @@ def _dispatcher(config: RegenerateConfig, pending: int, on_result: Any, *, log_d
     --num-workers, or one CPU actor using all cores. Two chunks in flight on each, run one after the other
     (generate is not thread-safe): the next chunk is on the actor when one finishes.
 
-    With --engine vllm an actor is one vLLM engine over tp x pp GPUs: it reserves them itself when vLLM runs
-    them as its own processes on the actor's node, and only a CPU when vLLM's Ray executor places them (its
-    placement group reserves the GPUs, on any node)."""
+    With --engine vllm an actor is one vLLM engine (pipeline/jobkit/vllm_process.py `engine_actor_pool`)."""
     from pipeline.regenerate.generation import ChunkAnswerer
 
     generate = config.generate
-    vllm = replace(generate.vllm, executor=resolve_executor(generate.vllm, joined_cluster=joined_cluster(config.address)))
-    per_worker = float(vllm.devices) if generate.engine == "vllm" else config.num_gpus_per_worker
-    pool = size_actor_pool(items=max(1, pending), num_workers=config.num_workers, num_gpus_per_worker=per_worker,
-                           threads=generate.threads, address=config.address)
-    if generate.engine == "vllm" and vllm.executor == "ray":
-        pool = replace(pool, resources={"num_cpus": 1})
+    pool, vllm = engine_actor_pool(generate.engine, generate.vllm, items=pending, num_workers=config.num_workers,
+                                   num_gpus_per_worker=config.num_gpus_per_worker, threads=generate.threads,
+                                   address=config.address)
     generate = replace(generate, model_path=os.path.abspath(generate.model_path), threads=pool.threads, vllm=vllm)
     return ActorDispatcher(pool, ActorSpec(ChunkAnswerer, (generate,), method="answer", per_actor=2, concurrency=1,
-                                           label=f"generate ({generate.engine})", kwargs={"log_dir": log_dir}),
+                                           label=f"generate ({generate.engine})", kwargs={"log_dir": log_dir},
+                                           close_method="close"),
                            on_result)
 
 

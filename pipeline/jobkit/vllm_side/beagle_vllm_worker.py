@@ -1,16 +1,23 @@
-"""The vLLM engine of `regenerate --engine vllm`, as a worker process: token ids in, token ids out.
+"""The vLLM engine of `regenerate --engine vllm` and `extract --engine vllm`, as a worker process.
 
 Runs under the vLLM environment's interpreter (`--vllm-python`; `make serve-venv` builds `.venv-vllm`), which
-need not have this project: this file imports only the standard library and vLLM, and the generation actor
-(`pipeline/regenerate/vllm_engine.py`) starts it as `PYTHON vllm_worker.py ...`. The actor renders the chat
+need not have this project: this file imports only the standard library and vLLM, and the actors
+(`pipeline/jobkit/vllm_process.py`) start it as `PYTHON beagle_vllm_worker.py ...`. The actor renders the chat
 template, decides what is asked and decodes the answers exactly as the transformers engine does; this
 process only runs `vllm.LLM.generate` over the token ids of one round of prompts at a time (continuous
 batching, paged attention, `max_num_seqs` rows in flight).
 
+Two modes. Generation (regenerate): token ids in, token ids out. Hidden states (extract, `--hidden-states
+IDS --scratch DIR`): vLLM's `extract_hidden_states` speculative method caches the states of the aux layers
+IDS (vLLM's numbering: i = the residual stream entering decoder layer i, n = the last layer's output before
+the final norm) for every prompt token, and our connector (`beagle_hidden_states_connector.py`, loaded by
+vLLM from this folder) writes each prompt's states to `DIR/<request>.safetensors`; the actor reads them.
+
 Protocol, one JSON object a line: on start the worker writes `{"ready": {"vllm": VERSION, ...}}` or
 `{"error": "..."}`; then for each request line `{"prompts": [[ids]], "seeds": [int|null], "max_tokens",
 "temperature", "top_p", "stop_token_ids"}` it writes `{"outputs": [[ids]]}` (each answer's token ids as vLLM
-returns them, a stop token included) or `{"error": "..."}`. The protocol goes over a private copy of fd 1;
+returns them, a stop token included) or `{"error": "..."}`; in the hidden-states mode, for `{"prefill": [[ids]]}`
+it writes `{"files": [path]}`, one complete safetensors file per prompt, in prompt order. The protocol goes over a private copy of fd 1;
 fd 1 itself is pointed at stderr, so whatever vLLM and its engine process print lands in the log, never in
 the protocol. `--probe` prints `{"vllm": VERSION, "supported": bool, "architectures": [...]}` and exits,
 without loading weights: the driver's check that the environment and the architecture are usable.
@@ -31,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens a step (default: vLLM's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
     p.add_argument("--executor", default=None, choices=["mp", "ray", "uni"],
@@ -40,7 +48,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: vLLM's on a GPU, 0.3 on a CPU (the share of host memory it wants free)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--hidden-states", default=None, metavar="IDS",
+                   help="comma-separated aux layer ids (vLLM's numbering): run the hidden-states mode")
+    p.add_argument("--scratch", default=None, help="the folder the hidden-states files are written to")
     return p.parse_args(argv)
+
+
+CONNECTOR = "BeagleHiddenStatesConnector"
+
+
+def hidden_states_options(layer_ids: list[int], scratch: str) -> dict:
+    """LLM(...) options of the hidden-states mode: vLLM's extract_hidden_states method (one "draft" token,
+    the sampled one, always accepted) and our connector, which writes every finished prompt's states."""
+    return {"speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {
+                                       "eagle_aux_hidden_state_layer_ids": layer_ids}}},
+            "kv_transfer_config": {"kv_connector": CONNECTOR, "kv_role": "kv_producer",
+                                   "kv_connector_module_path": "beagle_hidden_states_connector",
+                                   "kv_connector_extra_config": {"shared_storage_path": scratch}},
+            # each prompt is computed whole: no state is read back from another prompt's cached prefix
+            "enable_prefix_caching": False}
+
+
+def written_file(output) -> str:
+    """The safetensors file of one finished prompt, once complete: the connector holds its `.lock`
+    exclusively until the file is written (and renamed into place)."""
+    import fcntl
+
+    path = (output.kv_transfer_params or {}).get("hidden_states_path")
+    if not path:
+        raise RuntimeError(f"request {output.request_id}: vLLM returned no hidden_states_path")
+    with open(path + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the writer releases it
+    os.remove(path + ".lock")
+    if not os.path.isfile(path):
+        raise RuntimeError(f"request {output.request_id}: the connector did not write {path} (see the log)")
+    return path
 
 
 def probe(model: str, trust_remote_code: bool) -> dict:
@@ -78,7 +121,10 @@ def serve(args: argparse.Namespace, protocol) -> int:
     # prompt + answer, never past the model's positions (an answer reaching them ends there, unfinished)
     max_model_len = min(args.max_model_len, positions) if positions else args.max_model_len
     options = {"gpu_memory_utilization": args.gpu_memory_utilization or (0.3 if on_cpu else None),
-               "distributed_executor_backend": args.executor}
+               "distributed_executor_backend": args.executor, "max_num_batched_tokens": args.max_num_batched_tokens}
+    layer_ids = [int(x) for x in args.hidden_states.split(",")] if args.hidden_states else None
+    if layer_ids is not None:
+        options.update(hidden_states_options(layer_ids, args.scratch))
     try:
         llm = LLM(model=args.model, tokenizer=args.model, skip_tokenizer_init=True, dtype=args.dtype,
                   max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
@@ -87,7 +133,10 @@ def serve(args: argparse.Namespace, protocol) -> int:
                   **{k: v for k, v in options.items() if v is not None})
         # One token now, so that a model the kernels cannot run (a head size vLLM's CPU attention lacks)
         # fails while starting, with its reason, rather than on the first chunk.
-        llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+        [warm] = llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, detokenize=False),
+                              use_tqdm=False)
+        if layer_ids is not None:
+            os.remove(written_file(warm))  # the states of the probe token: in our scratch folder, ours
     except Exception as error:  # noqa: BLE001 - reported to the actor as one line, the traceback in the log
         import traceback
 
@@ -100,6 +149,9 @@ def serve(args: argparse.Namespace, protocol) -> int:
         if not line.strip():
             continue
         request = json.loads(line)
+        if "prefill" in request:
+            send(prefill(llm, SamplingParams, request["prefill"]))
+            continue
         try:
             params = [SamplingParams(max_tokens=request["max_tokens"], temperature=request["temperature"],
                                      top_p=request["top_p"], seed=seed, stop_token_ids=request["stop_token_ids"],
@@ -113,7 +165,25 @@ def serve(args: argparse.Namespace, protocol) -> int:
             send({"error": f"vLLM generate failed: {type(error).__name__}: {error}"})
             continue
         send({"outputs": [list(output.outputs[0].token_ids) for output in outputs]})
+    if args.scratch and os.path.basename(os.path.normpath(args.scratch)).startswith("beagle-vllm-states-"):
+        import shutil  # the actor's own scratch folder (its mkdtemp prefix), left over if the actor died
+
+        shutil.rmtree(args.scratch, ignore_errors=True)
     return 0
+
+
+def prefill(llm, sampling_params, prompts: list[list[int]]) -> dict:
+    """Every prompt through the target once (one token sampled, the states of every prompt token kept):
+    {"files": [one safetensors file per prompt, in prompt order]} or {"error": ...}."""
+    try:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                               sampling_params(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+        return {"files": [written_file(output) for output in outputs]}
+    except Exception as error:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        return {"error": f"vLLM prefill failed: {type(error).__name__}: {error}"}
 
 
 def _root_cause(error: BaseException) -> str:
