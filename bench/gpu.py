@@ -12,6 +12,8 @@ with a small byte-level tokenizer (no download), and random token sequences as `
    busy time (forward + shard write), not Ray start, CUDA init or model load; GB/s of states written.
 2. Training: tokens/s and peak allocated memory of one optimizer step (bf16 autocast) for Beagle stage 1,
    stage 2 (s = 4) and EAGLE-2 at 1B-class and 8B-class drafter shapes, random weights and states.
+1b. `extract --engine vllm` over the same sequences (when a vLLM environment is there: BEAGLE_VLLM_PYTHON):
+   its tokens/s, P17 (vLLM ÷ transformers over the forward stage) and how far its bf16 states are.
 3. Decoding: plain vs speculative tokens/s in bf16 on the random target with an untrained drafter (τ ≈ 1):
    the cost of drafting and verification, i.e. the τ each shape needs to break even.
 
@@ -49,7 +51,7 @@ class Shapes:
 
 
 TARGETS = {  # Llama-3.2-1B- and Llama-3.1-8B-like; "toy" for --dry-run
-    "toy": Shapes(64, 2, 4, 2, 128, 512),
+    "toy": Shapes(128, 2, 2, 1, 256, 512),  # head_dim 64: one vLLM's CPU attention takes (the extract-vllm part)
     "1b": Shapes(2048, 16, 32, 8, 8192, 128256),
     "8b": Shapes(4096, 32, 32, 8, 14336, 128256),
 }
@@ -126,11 +128,50 @@ def extraction_rows(work: Path, plan: Plan, device: torch.device) -> list[tuple[
     rate = summary.forward_tokens / busy
     written = (summary.store_bytes - summary.head_bytes) / busy / 1e9
     shape = f"{plan.extract_target} target, {summary.forward_tokens:,} tokens, 1 actor"
+    _HF_STAGE_RATE["rate"] = summary.tokens_per_second
     return [(f"extraction tokens/s, actor busy time ({shape})", f"{rate:,.0f}"),
             (f"bare forward tokens/s (same batches, same device) ({shape})", f"{bare:,.0f}"),
             ("P1 on this GPU: extraction ÷ bare forward", f"{rate / bare:.3f}"),
             ("states written, GB/s of actor busy time", f"{written:.2f}"),
             ("forward stage wall time incl. actor start and model load (s)", f"{summary.forward_seconds:.1f}")]
+
+
+def extraction_vllm_rows(work: Path, plan: Plan) -> list[tuple[str, str]]:
+    """`extract --engine vllm` (issue 39, P17 on a GPU) over the same sequences and target as `extraction_rows`,
+    one vLLM engine in the actor's worker process: its tokens/s beside the transformers engine's, and how far
+    its bf16 states are from the transformers store's (two engines' kernels round differently). Needs a vLLM
+    environment on this machine (`make serve-venv` builds the CPU one; on a GPU, a venv with `pip install
+    vllm`, given as BEAGLE_VLLM_PYTHON)."""
+    from pipeline.extract.pipeline import ExtractConfig, run_extract
+    from pipeline.jobkit.vllm_process import VllmConfig, vllm_python
+    from pipeline.store import open_store
+
+    settings = VllmConfig()  # its interpreter: $BEAGLE_VLLM_PYTHON, this one if it imports vllm, or .venv-vllm
+    if not Path(vllm_python(settings)).is_file():
+        return [("extract --engine vllm", f"skipped: no vLLM environment at {vllm_python(settings)} "
+                                          "(set BEAGLE_VLLM_PYTHON to a venv's python with vllm installed)")]
+    target, data = work / "target", work / "texts.jsonl"
+    summary = run_extract(ExtractConfig(model_path=str(target), data=(str(data),), out=str(work / "store-vllm"),
+                                        dtype="bfloat16", max_length=plan.length, num_workers=1,
+                                        samples_per_shard=max(1, plan.sequences // 8), engine="vllm",
+                                        vllm=settings))
+    busy = max(summary.actor_forward_seconds, 1e-9)
+    hf, vllm = open_store(str(work / "store")), open_store(str(work / "store-vllm"))
+    worst, compared = 0.0, 0
+    for index in range(min(len(hf), len(vllm), 16)):
+        a, b = hf.get_numpy(index)["hidden_states"][0], vllm.get_numpy(index)["hidden_states"][0]  # [L, d]
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        worst, compared = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-9))), compared + 1
+    shape = f"{plan.extract_target} target, {summary.forward_tokens:,} tokens, 1 actor, vLLM"
+    return [(f"extract --engine vllm tokens/s, actor forward time ({shape})", f"{summary.forward_tokens / busy:,.0f}"),
+            ("extract --engine vllm forward stage wall time incl. vLLM's start (s)", f"{summary.forward_seconds:.1f}"),
+            ("P17 on this GPU: vLLM ÷ transformers, forward stage tokens/s",
+             f"{summary.tokens_per_second / max(_HF_STAGE_RATE.get('rate', 0.0), 1e-9):.3f}"),
+            (f"largest relative difference of layer -1 states, vLLM vs transformers, bf16 ({compared} samples)",
+             f"{worst:.4f}")]
+
+
+_HF_STAGE_RATE: dict[str, float] = {}  # extraction_rows' forward stage tokens/s, for P17
 
 
 def training_rows(plan: Plan, device: torch.device) -> list[tuple[str, str]]:
@@ -193,7 +234,7 @@ def decoding_rows(work: Path, plan: Plan, device: torch.device) -> list[tuple[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run on CPU at toy sizes; prints no figures to keep")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: extract, train, decode")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: extract, extract-vllm, train, decode")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.dry_run:
         print("bench/gpu.py: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU machine, "
@@ -208,10 +249,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         work = Path(tmp)
         parts = [("extract", lambda: extraction_rows(work, plan, device)),
+                 ("extract-vllm", lambda: extraction_vllm_rows(work, plan)),
                  ("train", lambda: training_rows(plan, device)),
                  ("decode", lambda: decoding_rows(work, plan, device))]
         for name, run in parts:
-            if name in skip or (name == "decode" and "extract" in skip):  # decoding reuses the extraction target
+            if name in skip or (name in ("decode", "extract-vllm") and "extract" in skip):  # they reuse its target
                 continue
             started = time.perf_counter()
             for label, value in run():

@@ -14,6 +14,7 @@ Each figure is measured side by side in one run by its own script (each also run
   P9      bench/train.py     training tokens/s in bf16 autocast ÷ fp32 on this machine (SmolLM2 shapes)
   P11     bench/regenerate.py  regenerate's generated tokens/s ÷ a bare batched greedy loop, same batches
   P16     bench/regenerate.py --engine both  regenerate's tokens/s with vLLM ÷ with transformers, same prompts
+  P17     bench/extract_engines.py  extract's tokens/s with vLLM ÷ with transformers, same conversations
 Only the part of docs/benchmarks.md between `<!-- bench:begin -->` and `<!-- bench:end -->` is replaced.
 No test asserts a timing; targets are compared here and a missed one is marked with its reason.
 """
@@ -32,7 +33,7 @@ from bench.common import ROOT, machine, record, require_demo  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TARGETS = "P1 ≥ 0.95; P2 ≤ 1.01 bf16, ≤ 0.90 zstd, fp8 ≤ 0.52, int8 + zstd ≤ 0.35, τ within 3%; P3 ≥ 0.5; P4 ≤ 1.15; P5 ≥ 1.0; " \
-          "P6 ≥ 2.0; P7 ≥ 1.8; P8 ≥ 0.8 disk and tmpfs; P9 ≥ 2.0; P11 ≥ 0.8; P16 ≥ 2.0; " \
+          "P6 ≥ 2.0; P7 ≥ 1.8; P8 ≥ 0.8 disk and tmpfs; P9 ≥ 2.0; P11 ≥ 0.8; P16 ≥ 2.0; P17 ≥ 1.0; " \
           "P12 ≥ 1.0"
 
 
@@ -192,6 +193,8 @@ def main() -> None:
         ("P16", lambda: run(["bench/regenerate.py", "--engine", "both", "--prompts", "16" if args.quick else "64",
                              "--max-new-tokens", "192", "--json", str(work / "p16.json")], work / "p16.log")
          and json.loads((work / "p16.json").read_text())),
+        ("P17", lambda: run(["bench/extract_engines.py", *q, "--json", str(work / "p17.json")], work / "p17.log")
+         and json.loads((work / "p17.json").read_text())),
     ]
     for figure, job in jobs:
         if figure not in only:
