@@ -373,6 +373,10 @@ def test_every_demo_command_line_parses_with_the_real_subcommands(size: str, nat
     assert engine[engine.index("--prompts") + 1] == serve[serve.index("--prompts") + 1]   # the same first turns
     assert engine[engine.index("--depth") + 1] == serve[serve.index("--num-speculative-tokens") + 1]
     assert "--min-confidence" not in engine                          # vLLM's chain is not gated either
+    for step in ("regenerate", "extract"):  # the target in bf16 only where the hardware runs it natively
+        arguments = dict(steps)[step]
+        assert arguments[arguments.index("--dtype") + 1] == ("bfloat16" if native_bf16 else "float32")
+    assert serve[serve.index("--dtypes") + 1] == ("float32,bfloat16" if native_bf16 else "float32")
     from bench.serve import parse_args
 
     parse_args(serve[1:])                                            # the engine check's flags parse
