@@ -78,3 +78,31 @@ def tree_rss_mib(pid: int) -> float:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return rss / 2**20
+
+
+def run_measured(command: list[str], env: dict[str, str], what: str, timeout: float = 7200) -> tuple[str, float, float]:
+    """Run `command` to its end, sampling its process tree's resident memory every 0.5 s meanwhile.
+
+    Returns (stdout, wall seconds, peak MiB); a failing command stops the benchmark with the tail of its stderr,
+    since a figure from a half-run would mean nothing."""
+    import threading
+    import time
+
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0.0
+
+    def sample() -> None:
+        nonlocal peak
+        while child.poll() is None:
+            peak = max(peak, tree_rss_mib(child.pid))
+            time.sleep(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.perf_counter()
+    out, err = child.communicate(timeout=timeout)
+    seconds = time.perf_counter() - started
+    sampler.join()
+    if child.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{err[-3000:]}")
+    return out, seconds, peak

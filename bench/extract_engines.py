@@ -20,16 +20,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import DEMO_MODEL, DEMO_SHAREGPT, emit, record, require_demo, tree_rss_mib  # noqa: E402
+from bench.common import DEMO_MODEL, DEMO_SHAREGPT, emit, record, require_demo, run_measured  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,21 +55,8 @@ def measure_engine(engine: str, args: argparse.Namespace, out: str) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
            "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x)}
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = {"rss": 0.0}
-
-    def sample() -> None:
-        while child.poll() is None:
-            peak["rss"] = max(peak["rss"], tree_rss_mib(child.pid))
-            time.sleep(0.5)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out_text, err = child.communicate(timeout=7200)
-    sampler.join()
-    if child.returncode != 0:
-        raise SystemExit(f"{engine} child failed:\n{err[-3000:]}")
-    return {**json.loads(out_text.strip().splitlines()[-1]), "peak_rss_mib": peak["rss"]}
+    out_text, _, peak = run_measured(command, env, f"{engine} child")
+    return {**json.loads(out_text.strip().splitlines()[-1]), "peak_rss_mib": peak}
 
 
 def compare_states(hf_store: str, vllm_store: str) -> dict:

@@ -45,6 +45,8 @@ LEVERS: dict[str, list[str]] = {
     "init-target-ttt-3-from-start": ["--init-from-target", str(DEMO_MODEL), "--window-size", "3",
                                      "--simulation-steps", "3", "--stage1-epochs", "0"],
     "weight-decay-0.1": ["--weight-decay", "0.1"],              # held-out α1 trails training's: regularise
+    "init-target-ttt-3-no-regression": ["--init-from-target", str(DEMO_MODEL), "--window-size", "3",
+                                        "--simulation-steps", "3", "--regression-weight", "0"],
 }
 
 

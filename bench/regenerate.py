@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from beagle.decoding.verify import _cache_keyword  # noqa: E402
 
-from bench.common import DEMO_MODEL, DEMO_SHAREGPT, emit, record, require_demo, tree_rss_mib  # noqa: E402
+from bench.common import DEMO_MODEL, DEMO_SHAREGPT, emit, record, require_demo, run_measured  # noqa: E402
 from beagle.prompts import render  # noqa: E402
 from pipeline.regenerate.generation import ConversationGenerator, GenerateConfig  # noqa: E402
 from pipeline.regenerate.prompts import PromptRecord  # noqa: E402
@@ -118,23 +116,9 @@ def measure_engine(engine: str, args: argparse.Namespace) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(x for x in (str(Path(__file__).resolve().parent.parent),
                                                      os.environ.get("PYTHONPATH", "")) if x)}
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = {"rss": 0.0}
-
-    def sample() -> None:
-        while child.poll() is None:
-            peak["rss"] = max(peak["rss"], tree_rss_mib(child.pid))
-            time.sleep(0.5)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    started = time.perf_counter()
-    out, err = child.communicate(timeout=7200)
-    sampler.join()
-    if child.returncode != 0:
-        raise SystemExit(f"{engine} child failed:\n{err[-3000:]}")
+    out, seconds, peak = run_measured(command, env, f"{engine} child")
     result = json.loads(out.strip().splitlines()[-1])
-    return {**result, "process_seconds": time.perf_counter() - started, "peak_rss_mib": peak["rss"]}
+    return {**result, "process_seconds": seconds, "peak_rss_mib": peak}
 
 
 def p16(args: argparse.Namespace) -> None:

@@ -12,7 +12,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -21,17 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.jobkit.vllm_process import CHECKOUT_VENV
 from tests.tiny import build_target
-
-
-def _require_vllm() -> None:
-    if CHECKOUT_VENV.is_file():
-        return
-    message = f"{CHECKOUT_VENV} missing: run `make serve-venv` (vLLM CPU build in its own venv)"
-    if os.environ.get("CI"):
-        pytest.fail(message + "; `make test` builds it, so under CI its absence is a failure")
-    pytest.skip(message)
+from tests.vllm_env import require_vllm
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +94,7 @@ def test_scratch_folders_left_by_dead_actors_are_removed_and_nothing_else(tmp_pa
 
 @pytest.mark.slow
 def test_vllm_states_equal_the_transformers_engines_within_fp32_rounding(tmp_path):
-    _require_vllm()
+    require_vllm()
     from pipeline.extract.pipeline import ExtractConfig, run_extract
     from pipeline.extract.vllm_forward import scratch_root
     from pipeline.store.reader import open_store

@@ -11,7 +11,6 @@ The fast tests check the one-line refusals, which need no vLLM.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,19 +19,10 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.job import RegenerateConfig, manifest_path, partial_dir, rejects_path, run_regenerate
-from pipeline.regenerate.vllm_engine import CHECKOUT_VENV, VllmConfig
 from tests.tiny import build_target
+from tests.vllm_env import require_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _require_vllm() -> None:
-    if CHECKOUT_VENV.is_file():
-        return
-    message = f"{CHECKOUT_VENV} missing: run `make serve-venv` (vLLM CPU build in its own venv)"
-    if os.environ.get("CI"):
-        pytest.fail(message + "; `make test` builds it, so under CI its absence is a failure")
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +60,7 @@ def test_a_missing_vllm_environment_is_one_line(tiny_target, tmp_path):
 
 @pytest.mark.slow
 def test_vllm_answers_equal_the_transformers_engines_token_for_token(tmp_path, monkeypatch):
-    _require_vllm()
+    require_vllm()
     from tests.local_ray import local_ray
     from tests.tiny_engine import SENTENCES, build_engine_target, one_thread
 

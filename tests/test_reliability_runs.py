@@ -2,7 +2,6 @@
 drafter's, `train --resume` refuses stores other than the run's. Real files, real commands."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

@@ -5,7 +5,6 @@ Each node has one CPU and each forward actor needs one, so two actors means one 
 records which node committed each shard.
 """
 import json
-import logging
 
 import pytest
 from click.testing import CliRunner

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm_env import require_vllm
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 K = 3                  # draft tokens per round: vLLM's num_speculative_tokens, our --depth
 MAX_NEW_TOKENS = 64
@@ -81,15 +81,6 @@ def test_random_drafter_layout(tmp_path):
     assert t2d.sum() == 100 and bool(t2d[target_ids].all()) and bool((target_ids[1:] > target_ids[:-1]).all())
 
 
-def _require_vllm() -> None:
-    if VLLM_PYTHON.is_file():
-        return
-    message = f"{VLLM_PYTHON} missing: run `make serve-venv` (vLLM CPU build in its own venv)"
-    if os.environ.get("CI"):
-        pytest.fail(message + "; `make test` builds it, so under CI its absence is a failure")
-    pytest.skip(message)
-
-
 def _cli(*args: str) -> None:
     from click.testing import CliRunner
 
@@ -101,7 +92,7 @@ def _cli(*args: str) -> None:
 
 @pytest.mark.slow
 def test_vllm_serves_a_trained_drafter_and_accepts_what_our_eval_accepts(tmp_path):
-    _require_vllm()
+    require_vllm()
     from beagle.train_config import TrainConfig
     from beagle.trainer import train
     from tests.tiny_engine import (SENTENCES, build_engine_target, greedy_answers, min_top2_gap, one_thread,

@@ -2,7 +2,6 @@
 from its safetensors by name; a folder that is not the store's target, or not a Llama layout, is refused in one
 line before any step."""
 import json
-from dataclasses import replace
 
 import pytest
 import torch
