@@ -11,6 +11,8 @@ import os
 import platform
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,29 +82,37 @@ def tree_rss_mib(pid: int) -> float:
     return rss / 2**20
 
 
+class PeakRss:
+    """The peak resident set of a running process tree (its children included), sampled on a thread every
+    `interval` seconds from `with PeakRss(process)` until the process exits; read `.mib` after the block."""
+
+    def __init__(self, process: subprocess.Popen, interval: float = 0.5) -> None:
+        self.process, self.interval, self.mib = process, interval, 0.0
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while self.process.poll() is None:
+            self.mib = max(self.mib, tree_rss_mib(self.process.pid))
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakRss":
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sampler.join()
+
+
 def run_measured(command: list[str], env: dict[str, str], what: str, timeout: float = 7200) -> tuple[str, float, float]:
     """Run `command` to its end, sampling its process tree's resident memory every 0.5 s meanwhile.
 
     Returns (stdout, wall seconds, peak MiB); a failing command stops the benchmark with the tail of its stderr,
     since a figure from a half-run would mean nothing."""
-    import threading
-    import time
-
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = 0.0
-
-    def sample() -> None:
-        nonlocal peak
-        while child.poll() is None:
-            peak = max(peak, tree_rss_mib(child.pid))
-            time.sleep(0.5)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     started = time.perf_counter()
-    out, err = child.communicate(timeout=timeout)
-    seconds = time.perf_counter() - started
-    sampler.join()
+    with PeakRss(child) as peak:
+        out, err = child.communicate(timeout=timeout)
+        seconds = time.perf_counter() - started
     if child.returncode != 0:
         raise SystemExit(f"{what} failed:\n{err[-3000:]}")
-    return out, seconds, peak
+    return out, seconds, peak.mib

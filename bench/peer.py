@@ -34,15 +34,14 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import (DEMO_MODEL, DEMO_QUESTIONS, DEMO_SHAREGPT, ROOT, machine, require_demo,  # noqa: E402
-                          tree_rss_mib)
+from bench.common import (DEMO_MODEL, DEMO_QUESTIONS, DEMO_SHAREGPT, ROOT, PeakRss, machine,  # noqa: E402
+                          require_demo)
 from bench.serve import VLLM_PYTHON, compare, run_vllm  # noqa: E402
 
 SPECULATORS_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
@@ -84,23 +83,14 @@ def beagle_pipeline() -> list[str]:
 def measured_run(cmd: list[str], log_path: Path, *, env: dict | None = None, interval: float = 0.25) -> dict:
     """Run `cmd` to completion with its output in `log_path`: wall seconds, exit code and the peak resident
     set of its whole process tree (dataloader workers included), sampled every `interval` seconds."""
-    peak = [0.0]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-        def sample() -> None:
-            while process.poll() is None:
-                peak[0] = max(peak[0], tree_rss_mib(process.pid))
-                time.sleep(interval)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        rc = process.wait()
-        sampler.join()
+        with PeakRss(process, interval) as peak:
+            rc = process.wait()
     seconds = time.perf_counter() - started
-    result = {"command": shlex.join(cmd), "seconds": seconds, "returncode": rc, "peak_rss_mib": peak[0],
+    result = {"command": shlex.join(cmd), "seconds": seconds, "returncode": rc, "peak_rss_mib": peak.mib,
               "log": str(log_path)}
     if rc != 0:
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
