@@ -30,12 +30,27 @@ $(DEMO_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --ignore-requires-python $(DEMO_PACKAGES)
 	touch $(DEMO_STAMP)
 
-install: $(STAMP)
+# jemalloc, which `train` preloads on a CPU: its resident memory stays flat as batch shapes change, where glibc's
+# malloc grows about 2x by step 400 (docs/training.md "Host memory"). Debian/Ubuntu's libjemalloc2, unpacked into
+# .venv/lib without root; where there is no apt-get (or no registry), nothing is installed and `train` says so.
+JEMALLOC_STAMP := $(VENV)/.jemalloc
 
-demo: $(DEMO_STAMP) $(VLLM_STAMP)
+$(JEMALLOC_STAMP): $(STAMP)
+	@if [ "$$(uname -s)" = Linux ] && command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then \
+	  tmp=$$(mktemp -d) && \
+	  if (cd $$tmp && apt-get download -qq libjemalloc2 >/dev/null 2>&1) && dpkg-deb -x $$tmp/libjemalloc2_*.deb $$tmp/root \
+	     && cp $$tmp/root/usr/lib/*/libjemalloc.so.2 $(VENV)/lib/; then echo "jemalloc: $(VENV)/lib/libjemalloc.so.2"; \
+	  else echo "jemalloc: apt-get download libjemalloc2 failed; train runs on the system malloc"; fi; \
+	  rm -rf $$tmp; \
+	else echo "jemalloc: no apt-get here; train runs on the system malloc (see docs/training.md)"; fi
+	touch $(JEMALLOC_STAMP)
+
+install: $(STAMP) $(JEMALLOC_STAMP)
+
+demo: $(DEMO_STAMP) $(VLLM_STAMP) $(JEMALLOC_STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pipeline.demo.run
 
-demo-smoke: $(DEMO_STAMP) $(VLLM_STAMP)
+demo-smoke: $(DEMO_STAMP) $(VLLM_STAMP) $(JEMALLOC_STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pipeline.demo.run --smoke
 
 # speculators (0.9.0) in its own venv: tests/test_engine_export.py checks an exported EAGLE-3 drafter against
@@ -67,10 +82,10 @@ $(SPECFORGE_READER)/.installed: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(SPECFORGE_READER) "$(SPECFORGE_PIN)"
 	touch $(SPECFORGE_READER)/.installed
 
-test: $(STAMP) speculators-venv $(VLLM_STAMP) $(SPECFORGE_READER)/.installed
+test: $(STAMP) $(JEMALLOC_STAMP) speculators-venv $(VLLM_STAMP) $(SPECFORGE_READER)/.installed
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -rs tests  # -rs: every skip is listed with its reason
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(JEMALLOC_STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q -m "not slow" tests
 
 # The demo cache (target converted from its PyPI package, ShareGPT, MT-Bench); a no-op once prepared.

@@ -26,6 +26,7 @@ from beagle.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoin
 from beagle.data import Batch, Loader, StoreSet, fingerprint, plan_epoch
 from beagle.devices import pick_device
 from beagle.errors import RunStateError
+from beagle.host_allocator import loaded_allocator
 from beagle.drafter_folder import save_drafter
 from beagle.losses import LossResult, LossSums
 from beagle.model import DrafterConfig, restrict_loss_vocabulary
@@ -261,6 +262,7 @@ def _write_run_config(run_dir: Path, config: TrainConfig, data: StoreSet, drafte
         "target": fingerprint(data.target), "drafter": drafter_config.to_dict(),
         "state_rms": state_rms, "noise_std_relative": config.noise_std,
         "noise_std_absolute": config.noise_std * state_rms, "precision": str(dtype).removeprefix("torch."),
+        "host_allocator": loaded_allocator(),  # the malloc the run's host memory figures were measured on
         **({} if val is None else {"validation": val.record()}),
     }
     run_dir.mkdir(parents=True, exist_ok=True)

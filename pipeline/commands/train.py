@@ -169,9 +169,12 @@ def _train_here(stores: list[str], run_dir: str, config: TrainConfig, resume: bo
                 cache_dir: str | None, verify_store: bool) -> None:
     from tqdm import tqdm
 
+    from beagle.devices import pick_device
     from beagle.trainer import train as run_training
     from pipeline.commands.curves import draw_run_curves
+    from pipeline.commands.host_allocator import train_under_jemalloc
 
+    train_under_jemalloc(pick_device(config.device).type)  # on a CPU: may start this command again, under jemalloc
     bar = None
 
     def on_step(metrics: dict, total: int) -> None:
