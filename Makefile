@@ -31,7 +31,7 @@ $(DEMO_STAMP): $(STAMP)
 	touch $(DEMO_STAMP)
 
 # jemalloc, which `train` preloads on a CPU: its resident memory stays flat as batch shapes change, where glibc's
-# malloc grows about 2x by step 400 (docs/training.md "Host memory"). Debian/Ubuntu's libjemalloc2, unpacked into
+# malloc grows about 2x by step 400 (docs/training.md, "Host memory on a CPU"). Debian/Ubuntu's libjemalloc2, unpacked into
 # .venv/lib without root; where there is no apt-get (or no registry), nothing is installed and `train` says so.
 JEMALLOC_STAMP := $(VENV)/.jemalloc
 
@@ -42,7 +42,7 @@ $(JEMALLOC_STAMP): $(STAMP)
 	     && cp $$tmp/root/usr/lib/*/libjemalloc.so.2 $(VENV)/lib/; then echo "jemalloc: $(VENV)/lib/libjemalloc.so.2"; \
 	  else echo "jemalloc: apt-get download libjemalloc2 failed; train runs on the system malloc"; fi; \
 	  rm -rf $$tmp; \
-	else echo "jemalloc: no apt-get here; train runs on the system malloc (see docs/training.md)"; fi
+	else echo "jemalloc: not installed (Linux with apt-get only); train runs on the system malloc (docs/training.md)"; fi
 	touch $(JEMALLOC_STAMP)
 
 install: $(STAMP) $(JEMALLOC_STAMP)

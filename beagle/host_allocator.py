@@ -38,8 +38,9 @@ def loaded_allocator(maps: str = "/proc/self/maps") -> str:
 
 def find_jemalloc() -> str | None:
     """The jemalloc shared library to preload, or None: first this Python environment's lib/ (where
-    `make install` unpacks one), then conda's, then the system's (ldconfig: Debian's libjemalloc2, a
-    Homebrew or distribution package). A path, or a bare soname the dynamic loader resolves itself."""
+    `make install` unpacks one), then conda's, then the system's (found through ldconfig: Debian's and
+    Ubuntu's libjemalloc2, or another distribution's package). A path, or a bare soname that the dynamic
+    loader resolves itself."""
     prefixes = [sys.prefix, os.environ.get("CONDA_PREFIX", "")]
     for prefix in filter(None, prefixes):
         found = sorted(glob.glob(os.path.join(prefix, "lib", "libjemalloc.so*")))

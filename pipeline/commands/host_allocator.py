@@ -60,4 +60,4 @@ def train_under_jemalloc(device_type: str) -> None:
     elif (loaded == SYSTEM and not choice and device_type == "cpu" and sys.platform.startswith("linux")
           and Path(sys.argv[0]).name == CONSOLE_SCRIPT):
         logger.warning("training on the CPU with the platform's malloc, whose resident memory grows with the "
-                       "steps (about 2x by step 400, docs/training.md 'Host memory'); %s", INSTALL_HINT)
+                       "steps (about 2x by step 400, docs/training.md, 'Host memory on a CPU'); %s", INSTALL_HINT)
