@@ -108,13 +108,16 @@ def speculators_env() -> dict:
     return env
 
 
-def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path) -> list[tuple[str, list[str]]]:
+def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path,
+                  engine: str = "hf") -> list[tuple[str, list[str]]]:
+    """regenerate (the target answers `size.prompts` ShareGPT first turns with `engine`), extract, and
+    export-features: the one store both trainers read."""
     cli = beagle_pipeline()
     return [
         ("regenerate", [*cli, "regenerate", "--model", str(target), "--data", str(sharegpt),
                         "--out", str(out / "answers.jsonl"), "--limit", str(size.prompts), "--max-turns", "1",
                         "--max-new-tokens", str(size.max_new_tokens_answer), "--max-prompt-length", "256",
-                        "--dtype", "bfloat16", "--no-progress"]),
+                        "--dtype", "bfloat16", "--engine", engine, "--no-progress"]),
         ("extract", [*cli, "extract", "--model", str(target), "--data", str(out / "answers.jsonl"),
                      "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", "bfloat16",
                      "--no-progress"]),
@@ -222,6 +225,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sharegpt", default=str(DEMO_SHAREGPT), help="training prompts the target answers")
     p.add_argument("--out", default=None, help="run folder (default runs/peer[-quick])")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of both trainers (default: the size's)")
+    p.add_argument("--train-prompts", type=int, default=None,
+                   help="ShareGPT prompts the target answers for the training data of both (default: the size's); "
+                        "the data-scaling comparison")
+    p.add_argument("--regenerate-engine", choices=("hf", "vllm"), default="hf",
+                   help="what runs the target for the training answers (vllm: 1.4x hf's generation rate on this idle CPU, "
+                        "`make serve-venv`); both trainers read the same answers either way")
     p.add_argument("--serve-prompts", type=int, default=None)
     p.add_argument("--ks", default=None, help="num_speculative_tokens to serve, e.g. 1,2,3")
     p.add_argument("--dtype", default="float32", help="vLLM dtype (float32: answers must equal plain decoding)")
@@ -250,7 +259,7 @@ def main(argv=None) -> int:
         if not python.is_file():
             raise SystemExit(f"{python} not found: run `{make}`")
     size = SIZES["quick" if args.quick else "full"]
-    overrides = {"steps": args.steps, "serve_prompts": args.serve_prompts,
+    overrides = {"steps": args.steps, "serve_prompts": args.serve_prompts, "prompts": args.train_prompts,
                  "ks": tuple(int(k) for k in args.ks.split(",")) if args.ks else None}
     size = PeerSize(**{**asdict(size), **{k: v for k, v in overrides.items() if v is not None}})
     out = Path(args.out or ROOT / "runs" / f"peer{'-quick' if args.quick else ''}").resolve()
@@ -260,7 +269,8 @@ def main(argv=None) -> int:
     ours_flags = shlex.split(args.ours_flags)
     report: dict = {"size": asdict(size), "machine": machine(), "target": str(target), "prompts": args.prompts,
                     "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "steps": {}, "serve": {},
-                    "ours_flags": ours_flags, "ours_steps": args.ours_steps or size.steps}
+                    "ours_flags": ours_flags, "ours_steps": args.ours_steps or size.steps,
+                    "regenerate_engine": args.regenerate_engine}
 
     def save() -> None:
         results_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -272,7 +282,7 @@ def main(argv=None) -> int:
         save()
         return result
 
-    for name, cmd in data_commands(size, out, target, Path(args.sharegpt)):
+    for name, cmd in data_commands(size, out, target, Path(args.sharegpt), args.regenerate_engine):
         step(name, cmd, cli_env())
     recorded = json.loads(Path(args.theirs_from).read_text(encoding="utf-8")) if args.theirs_from else None
     if recorded is not None:
