@@ -229,8 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ShareGPT prompts the target answers for the training data of both (default: the size's); "
                         "the data-scaling comparison")
     p.add_argument("--regenerate-engine", choices=("hf", "vllm"), default="hf",
-                   help="what runs the target for the training answers (vllm: 1.4x hf's generation rate on this idle CPU, "
-                        "`make serve-venv`); both trainers read the same answers either way")
+                   help="what runs the target for the training answers (vllm: 1.4x hf's generation rate on this "
+                        "idle CPU, `make serve-venv`); both trainers read the same answers either way")
     p.add_argument("--serve-prompts", type=int, default=None)
     p.add_argument("--ks", default=None, help="num_speculative_tokens to serve, e.g. 1,2,3")
     p.add_argument("--dtype", default="float32", help="vLLM dtype (float32: answers must equal plain decoding)")
