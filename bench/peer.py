@@ -108,18 +108,33 @@ def speculators_env() -> dict:
     return env
 
 
-def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path,
-                  engine: str = "hf") -> list[tuple[str, list[str]]]:
+def target_dtype(requested: str) -> str:
+    """The dtype the target generates and extracts in: `requested`, or with "auto" bf16 where the hardware
+    multiplies it natively (a GPU, a CPU with AMX or AVX512-BF16) and fp32 elsewhere. The demo's rule
+    (pipeline/demo/run.py): on an AVX2-only CPU torch and vLLM emulate bf16 (vLLM regenerated ~37 tokens/s in
+    bf16 on a 2-core AMD EPYC, 2026-12-07, against ~325 on a Xeon with AMX). The store keeps that dtype, and
+    speculators' trainer autocasts to its states' dtype, so both trainers compute in it."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    from beagle.precision import cpu_has_native_bf16
+
+    return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
+
+
+def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path, engine: str = "hf",
+                  dtype: str = "bfloat16") -> list[tuple[str, list[str]]]:
     """regenerate (the target answers `size.prompts` ShareGPT first turns with `engine`), extract, and
-    export-features: the one store both trainers read."""
+    export-features: the one store both trainers read, in `dtype`."""
     cli = beagle_pipeline()
     return [
         ("regenerate", [*cli, "regenerate", "--model", str(target), "--data", str(sharegpt),
                         "--out", str(out / "answers.jsonl"), "--limit", str(size.prompts), "--max-turns", "1",
                         "--max-new-tokens", str(size.max_new_tokens_answer), "--max-prompt-length", "256",
-                        "--dtype", "bfloat16", "--engine", engine, "--no-progress"]),
+                        "--dtype", dtype, "--engine", engine, "--no-progress"]),
         ("extract", [*cli, "extract", "--model", str(target), "--data", str(out / "answers.jsonl"),
-                     "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", "bfloat16",
+                     "--out", str(out / "store"), "--max-length", str(size.max_length), "--dtype", dtype,
                      "--no-progress"]),
         ("export-features", [*cli, "export-features", str(out / "store"), "--format", "speculators",
                              "--model", str(target), "--out", str(out / "speculators-data"), "--force",
@@ -208,6 +223,7 @@ def _can_keep_theirs(previous: dict, report: dict, out: Path) -> bool:
     step, data), target, prompts and dtype, its training recorded and its checkpoint still on disk."""
     as_json = json.loads(json.dumps(report))  # tuples as the lists a JSON file holds
     same = all(previous.get(key) == as_json[key] for key in ("size", "target", "prompts", "dtype"))
+    same = same and previous.get("target_dtype", "bfloat16") == report["target_dtype"]  # bf16 before it was said
     trained = "theirs-train" in previous.get("steps", {}) and (out / "logs" / "theirs-train.log").is_file()
     try:
         theirs_checkpoint(out)
@@ -231,6 +247,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--regenerate-engine", choices=("hf", "vllm"), default="hf",
                    help="what runs the target for the training answers (vllm: 1.4x hf's generation rate on this "
                         "idle CPU, `make serve-venv`); both trainers read the same answers either way")
+    p.add_argument("--target-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="the target's dtype in regenerate and extract, and so the store's (auto: bf16 where the "
+                        "hardware multiplies it natively, else fp32)")
     p.add_argument("--serve-prompts", type=int, default=None)
     p.add_argument("--ks", default=None, help="num_speculative_tokens to serve, e.g. 1,2,3")
     p.add_argument("--dtype", default="float32", help="vLLM dtype (float32: answers must equal plain decoding)")
@@ -270,7 +289,7 @@ def main(argv=None) -> int:
     report: dict = {"size": asdict(size), "machine": machine(), "target": str(target), "prompts": args.prompts,
                     "dtype": args.dtype, "date": time.strftime("%Y-%m-%d"), "steps": {}, "serve": {},
                     "ours_flags": ours_flags, "ours_steps": args.ours_steps or size.steps,
-                    "regenerate_engine": args.regenerate_engine}
+                    "regenerate_engine": args.regenerate_engine, "target_dtype": target_dtype(args.target_dtype)}
 
     def save() -> None:
         results_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -282,12 +301,14 @@ def main(argv=None) -> int:
         save()
         return result
 
-    for name, cmd in data_commands(size, out, target, Path(args.sharegpt), args.regenerate_engine):
+    for name, cmd in data_commands(size, out, target, Path(args.sharegpt), args.regenerate_engine,
+                                   report["target_dtype"]):
         step(name, cmd, cli_env())
     recorded = json.loads(Path(args.theirs_from).read_text(encoding="utf-8")) if args.theirs_from else None
     if recorded is not None:
         as_json = json.loads(json.dumps(report))  # tuples as the lists a JSON file holds
         differs = [key for key in ("size", "prompts", "dtype") if recorded.get(key) != as_json[key]]
+        differs += ["target_dtype"] if recorded.get("target_dtype", "bfloat16") != report["target_dtype"] else []
         if differs:
             raise SystemExit(f"--theirs-from {args.theirs_from}: its {differs} differ from this run's")
     keep_theirs = recorded is None and args.keep_theirs and _can_keep_theirs(previous, report, out)
