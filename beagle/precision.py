@@ -23,6 +23,23 @@ def cpu_has_native_bf16() -> bool:
     return any(check is not None and bool(check()) for check in checks)
 
 
+AUTO_DTYPE = "auto"   # a target's --dtype decided by the hardware that runs it
+
+
+def resolve_target_dtype(requested: str, *, on_gpu: bool) -> str:
+    """The target's dtype name for `--dtype requested`: itself, or for "auto" bfloat16 where it multiplies
+    natively (`on_gpu`, or a CPU with AMX/AVX512-BF16) and float32 elsewhere. On an AVX2-only CPU torch
+    emulates bf16: generation there ran ~5x slower than in fp32 (docs/regenerate.md, measured 2026-12-07)."""
+    if requested != AUTO_DTYPE:
+        return requested
+    return "float32" if bf16_is_emulated(on_gpu=on_gpu) else "bfloat16"
+
+
+def bf16_is_emulated(*, on_gpu: bool) -> bool:
+    """True when bf16 work would run on this CPU without native bf16 (AVX2 only): slower than fp32 there."""
+    return not on_gpu and not cpu_has_native_bf16()
+
+
 def training_dtype(device: torch.device, bf16: bool | None) -> torch.dtype:
     """The autocast dtype of training on `device`: bf16 when asked, fp32 when refused, and with
     `bf16=None` bf16 wherever the hardware runs it fast (any CUDA GPU with bf16, a CPU with AMX/AVX512-BF16)."""

@@ -146,7 +146,24 @@ def prepare(config: ExtractConfig) -> Prepared:
     if scan.conversations and not isinstance(tokenizer.chat_template, str):
         raise ValueError(f"--model {config.model_path}: the tokenizer has no chat template, but the inputs hold "
                          "conversations; add a chat_template to tokenizer_config.json")
+    _warn_if_bf16_is_emulated(config)
     return Prepared(config, tokenizer, layers, facts.hidden_size, facts.vocab_size, scan)
+
+
+def _warn_if_bf16_is_emulated(config: ExtractConfig) -> None:
+    """Once, where the target would forward in bf16 on a CPU that emulates it (AVX2 only, no AMX or
+    AVX512-BF16): fp32 runs it several times faster there. The default stays bf16, the dtype stores are
+    shared in (half the bytes); a joined cluster is taken to be GPU workers."""
+    if config.dtype != "bfloat16":
+        return
+    import torch
+
+    from beagle.precision import bf16_is_emulated
+
+    if bf16_is_emulated(on_gpu=joined_cluster(config.address) or torch.cuda.is_available()):
+        logger.warning("--dtype bfloat16 on this CPU (no AMX or AVX512-BF16) is emulated: the target forwards "
+                       "several times slower than in float32 (docs/extract.md); pass --dtype float32 for speed "
+                       "(the store then holds float32 states, twice the bytes)")
 
 
 def _check_engine(config: ExtractConfig, max_positions: int | None) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 import click
 
 from beagle.devices import DTYPES
+from beagle.precision import AUTO_DTYPE
 from pipeline.commands.engine_options import engine_options, vllm_config
 from pipeline.commands.errors import as_click_error
 from pipeline.commands.options import default_option
@@ -34,7 +35,10 @@ from pipeline.regenerate.job import RegenerateConfig, run_regenerate
 @default_option(GenerateConfig, "top_p", "--top-p", type=click.FloatRange(0.0, 1.0),
                 help="Nucleus sampling when --temperature > 0.")
 @default_option(GenerateConfig, "seed", "--seed", type=int, help="Sampling seed (each chunk uses seed + chunk index).")
-@default_option(GenerateConfig, "dtype", "--dtype", type=click.Choice(sorted(DTYPES)), help="Model dtype while generating.")
+@default_option(GenerateConfig, "dtype", "--dtype", type=click.Choice([AUTO_DTYPE, *sorted(DTYPES)]),
+                help="Model dtype while generating. auto: bfloat16 on GPUs (and when joining a cluster, --address) "
+                     "and on CPUs that multiply it natively (AMX, AVX512-BF16); float32 on other CPUs, where bf16 "
+                     "is emulated and generation ran ~5x slower. The answers record the dtype used.")
 @default_option(GenerateConfig, "batch_size", "--batch-size", type=click.IntRange(min=1),
                 help="Conversations per generate call (hf); with --engine vllm, rows in flight (max_num_seqs).")
 @engine_options(GenerateConfig, engine_help="hf: transformers `generate` in the actors; vllm: vllm.LLM (continuous "

@@ -24,6 +24,7 @@ from beagle.devices import pick_device
 from beagle.errors import BeagleError
 from beagle.prompts import eos_token_ids, render
 from beagle.records import TEXT_ROLE, RejectReason
+from beagle.precision import AUTO_DTYPE, resolve_target_dtype
 from beagle.target_model import TargetSpec
 from pipeline.jobkit.target import load_tokenizer
 from pipeline.regenerate.prompts import PromptRecord
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GenerateConfig:
     model_path: str
-    dtype: str = "bfloat16"
+    dtype: str = "auto"           # auto: bf16 on a GPU or a CPU that multiplies it natively, else fp32
     max_new_tokens: int = 512     # per answer; a longer answer is cut there (counted as unfinished)
     max_prompt_length: int = 2048  # prompt tokens, history included; a turn beyond it ends the conversation
     max_turns: int = 0            # user turns answered per conversation; 0 = all
@@ -52,8 +53,14 @@ class GenerateConfig:
 
     @property
     def target(self) -> TargetSpec:
-        """How the actor opens the target: the one `TargetSpec` every command uses."""
-        return TargetSpec(self.model_path, self.dtype, self.trust_remote_code)
+        """How the actor opens the target: the one `TargetSpec` every command uses. The job resolves `auto`
+        before its identity (pipeline/regenerate/job.py `resolve_dtype`); a generator built directly resolves
+        it here, for the device it runs on."""
+        dtype = self.dtype
+        if dtype == AUTO_DTYPE:
+            on_gpu = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+            dtype = resolve_target_dtype(dtype, on_gpu=on_gpu)
+        return TargetSpec(self.model_path, dtype, self.trust_remote_code)
 
 
 @dataclass

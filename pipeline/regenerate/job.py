@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from beagle.devices import DTYPES
+from beagle.precision import AUTO_DTYPE
 from beagle.errors import refuse_non_finite
 from beagle.host_memory import peak_rss_mib
 from beagle.target_facts import read_target_facts
@@ -236,9 +237,31 @@ def _prepare_work_dir(config: RegenerateConfig, facts_hash: str) -> Path:
     return work
 
 
+def resolve_dtype(config: RegenerateConfig) -> RegenerateConfig:
+    """`--dtype auto` made a dtype before anything depends on it (the identity, the actors): bf16 where the
+    actors run it natively (a local GPU, a joined cluster, which is taken to be GPUs, or this CPU's AMX or
+    AVX512-BF16), else fp32. Said once in the log, and the identity records the dtype used."""
+    import torch
+
+    from beagle.precision import resolve_target_dtype
+
+    generate = config.generate
+    if generate.dtype != AUTO_DTYPE:
+        return config
+    if generate.device is not None:
+        on_gpu = generate.device.startswith("cuda")
+    else:
+        on_gpu = joined_cluster(config.address) or (config.num_gpus_per_worker > 0 and torch.cuda.is_available())
+    dtype = resolve_target_dtype(generate.dtype, on_gpu=on_gpu)
+    logger.info("regenerate: --dtype auto is %s here (%s)", dtype, "a GPU or native bf16" if dtype == "bfloat16"
+                else "a CPU without AMX or AVX512-BF16, where bf16 is emulated")
+    return replace(config, generate=replace(generate, dtype=dtype))
+
+
 def run_regenerate(config: RegenerateConfig, *, progress: Progress | None = None) -> RegenerateSummary:
     """The whole job; rerun the same command to resume after a crash."""
     started = time.perf_counter()
+    config = resolve_dtype(config)
     _check(config)
     scan = scan_prompts(list(config.data), limit=config.limit, max_record_bytes=config.max_record_bytes)
     _check_chat_template(config, scan)
