@@ -29,7 +29,8 @@ AUTO_DTYPE = "auto"   # a target's --dtype decided by the hardware that runs it
 def resolve_target_dtype(requested: str, *, on_gpu: bool) -> str:
     """The target's dtype name for `--dtype requested`: itself, or for "auto" bfloat16 where it multiplies
     natively (`on_gpu`, or a CPU with AMX/AVX512-BF16) and float32 elsewhere. On an AVX2-only CPU torch
-    emulates bf16: generation there ran ~5x slower than in fp32 (docs/regenerate.md, measured 2026-12-07)."""
+    emulates bf16: there generation ran 3x and extraction's forward 5.5x slower than in fp32 (docs/regenerate.md,
+    docs/extract.md; a 2-core AMD EPYC, 2026-12-07)."""
     if requested != AUTO_DTYPE:
         return requested
     return "float32" if bf16_is_emulated(on_gpu=on_gpu) else "bfloat16"

@@ -291,6 +291,11 @@ def main(argv=None) -> int:
                     "ours_flags": ours_flags, "ours_steps": args.ours_steps or size.steps,
                     "regenerate_engine": args.regenerate_engine, "target_dtype": target_dtype(args.target_dtype)}
 
+    if args.target_dtype == "auto" and report["target_dtype"] == "float32":
+        print("note: this CPU multiplies bf16 only by emulation (no AMX or AVX512-BF16), so both trainers run in "
+              "fp32; on a 2-core AMD EPYC speculators' trainer took ~250 s a step of 4,096 tokens (2026-12-07, "
+              "docs/benchmarks.md), so even --quick takes hours there", flush=True)
+
     def save() -> None:
         results_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 

@@ -162,7 +162,7 @@ def _warn_if_bf16_is_emulated(config: ExtractConfig) -> None:
 
     if bf16_is_emulated(on_gpu=joined_cluster(config.address) or torch.cuda.is_available()):
         logger.warning("--dtype bfloat16 on this CPU (no AMX or AVX512-BF16) is emulated: the target forwards "
-                       "several times slower than in float32 (docs/extract.md); pass --dtype float32 for speed "
+                       "~5x slower than in float32 (docs/extract.md); pass --dtype float32 for speed "
                        "(the store then holds float32 states, twice the bytes)")
 
 

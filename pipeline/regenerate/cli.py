@@ -38,7 +38,7 @@ from pipeline.regenerate.job import RegenerateConfig, run_regenerate
 @default_option(GenerateConfig, "dtype", "--dtype", type=click.Choice([AUTO_DTYPE, *sorted(DTYPES)]),
                 help="Model dtype while generating. auto: bfloat16 on GPUs (and when joining a cluster, --address) "
                      "and on CPUs that multiply it natively (AMX, AVX512-BF16); float32 on other CPUs, where bf16 "
-                     "is emulated and generation ran ~5x slower. The answers record the dtype used.")
+                     "is emulated and generation ran 3x slower. The answers record the dtype used.")
 @default_option(GenerateConfig, "batch_size", "--batch-size", type=click.IntRange(min=1),
                 help="Conversations per generate call (hf); with --engine vllm, rows in flight (max_num_seqs).")
 @engine_options(GenerateConfig, engine_help="hf: transformers `generate` in the actors; vllm: vllm.LLM (continuous "
