@@ -114,13 +114,11 @@ def target_dtype(requested: str) -> str:
     (pipeline/demo/run.py): on an AVX2-only CPU torch and vLLM emulate bf16 (vLLM regenerated ~37 tokens/s in
     bf16 on a 2-core AMD EPYC, 2026-12-07, against ~325 on a Xeon with AMX). The store keeps that dtype, and
     speculators' trainer autocasts to its states' dtype, so both trainers compute in it."""
-    if requested != "auto":
-        return requested
     import torch
 
-    from beagle.precision import cpu_has_native_bf16
+    from beagle.precision import resolve_target_dtype
 
-    return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
+    return resolve_target_dtype(requested, on_gpu=torch.cuda.is_available())
 
 
 def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path, engine: str = "hf",

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from beagle.devices import DTYPES
-from beagle.precision import AUTO_DTYPE
+from beagle.precision import AUTO_DTYPE, resolve_target_dtype
 from beagle.errors import refuse_non_finite
 from beagle.host_memory import peak_rss_mib
 from beagle.target_facts import read_target_facts
@@ -241,9 +241,7 @@ def resolve_dtype(config: RegenerateConfig) -> RegenerateConfig:
     """`--dtype auto` made a dtype before anything depends on it (the identity, the actors): bf16 where the
     actors run it natively (a local GPU, a joined cluster, which is taken to be GPUs, or this CPU's AMX or
     AVX512-BF16), else fp32. Said once in the log, and the identity records the dtype used."""
-    import torch
-
-    from beagle.precision import resolve_target_dtype
+    import torch  # loaded already with pipeline.regenerate.generation
 
     generate = config.generate
     if generate.dtype != AUTO_DTYPE:
