@@ -111,7 +111,7 @@ def speculators_env() -> dict:
 def target_dtype(requested: str) -> str:
     """The dtype the target generates and extracts in: `requested`, or with "auto" bf16 where the hardware
     multiplies it natively (a GPU, a CPU with AMX or AVX512-BF16) and fp32 elsewhere. The demo's rule
-    (pipeline/demo/run.py): on an AVX2-only CPU torch and vLLM emulate bf16 (vLLM regenerated ~37 tokens/s in
+    (pipeline/demo/run.py): on an AVX2-only CPU torch and vLLM emulate bf16 (vLLM regenerated ~35 tokens/s in
     bf16 on a 2-core AMD EPYC, 2026-12-07, against ~325 on a Xeon with AMX). The store keeps that dtype, and
     speculators' trainer autocasts to its states' dtype, so both trainers compute in it."""
     import torch
@@ -119,6 +119,11 @@ def target_dtype(requested: str) -> str:
     from beagle.precision import resolve_target_dtype
 
     return resolve_target_dtype(requested, on_gpu=torch.cuda.is_available())
+
+
+def recorded_target_dtype(results: dict) -> str:
+    """The target dtype an earlier run's results were made in: runs before it was recorded used bf16."""
+    return results.get("target_dtype", "bfloat16")
 
 
 def data_commands(size: PeerSize, out: Path, target: Path, sharegpt: Path, engine: str = "hf",
@@ -221,7 +226,7 @@ def _can_keep_theirs(previous: dict, report: dict, out: Path) -> bool:
     step, data), target, prompts and dtype, its training recorded and its checkpoint still on disk."""
     as_json = json.loads(json.dumps(report))  # tuples as the lists a JSON file holds
     same = all(previous.get(key) == as_json[key] for key in ("size", "target", "prompts", "dtype"))
-    same = same and previous.get("target_dtype", "bfloat16") == report["target_dtype"]  # bf16 before it was said
+    same = same and recorded_target_dtype(previous) == report["target_dtype"]
     trained = "theirs-train" in previous.get("steps", {}) and (out / "logs" / "theirs-train.log").is_file()
     try:
         theirs_checkpoint(out)
@@ -311,7 +316,7 @@ def main(argv=None) -> int:
     if recorded is not None:
         as_json = json.loads(json.dumps(report))  # tuples as the lists a JSON file holds
         differs = [key for key in ("size", "prompts", "dtype") if recorded.get(key) != as_json[key]]
-        differs += ["target_dtype"] if recorded.get("target_dtype", "bfloat16") != report["target_dtype"] else []
+        differs += ["target_dtype"] if recorded_target_dtype(recorded) != report["target_dtype"] else []
         if differs:
             raise SystemExit(f"--theirs-from {args.theirs_from}: its {differs} differ from this run's")
     keep_theirs = recorded is None and args.keep_theirs and _can_keep_theirs(previous, report, out)

@@ -216,9 +216,9 @@ def hardware_runs_bf16() -> bool:
     """True on a CUDA GPU or a CPU that multiplies bf16 natively (where a bf16 eval measures something useful)."""
     import torch
 
-    from beagle.precision import cpu_has_native_bf16
+    from beagle.precision import bf16_is_emulated
 
-    return torch.cuda.is_available() or cpu_has_native_bf16()
+    return not bf16_is_emulated(on_gpu=torch.cuda.is_available())
 
 
 SIZE_MARKER = "size.json"  # what a run folder's answers and store were made with

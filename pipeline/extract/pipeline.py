@@ -41,7 +41,7 @@ from pipeline.jobkit.dispatch import ActorDispatcher, ActorSpec
 from pipeline.jobkit.target import load_tokenizer, target_fingerprint
 from pipeline.jobkit.plan import run_chunks
 from pipeline.jobkit.progress import Progress
-from pipeline.jobkit.ray_session import joined_cluster, ray_for_job
+from pipeline.jobkit.ray_session import joined_cluster, ray_for_job, workers_use_gpus
 from pipeline.jobkit.vllm_process import VllmConfig, check_vllm_options, engine_actor_pool, engine_facts, engine_identity
 from pipeline.jobkit.record_stream import (InputChangedError, InputScan, RecordStream, check_unchanged,
                                            refuse_changed)
@@ -156,11 +156,9 @@ def _warn_if_bf16_is_emulated(config: ExtractConfig) -> None:
     shared in (half the bytes); a joined cluster is taken to be GPU workers."""
     if config.dtype != "bfloat16":
         return
-    import torch
-
     from beagle.precision import bf16_is_emulated
 
-    if bf16_is_emulated(on_gpu=joined_cluster(config.address) or torch.cuda.is_available()):
+    if bf16_is_emulated(on_gpu=workers_use_gpus(config.address, config.num_gpus_per_worker)):
         logger.warning("--dtype bfloat16 on this CPU (no AMX or AVX512-BF16) is emulated: the target forwards "
                        "~5x slower than in float32 (docs/extract.md); pass --dtype float32 for speed "
                        "(the store then holds float32 states, twice the bytes)")

@@ -37,6 +37,16 @@ def joined_cluster(address: str | None) -> bool:
     return bool(address or os.environ.get("RAY_ADDRESS"))
 
 
+def workers_use_gpus(address: str | None, num_gpus_per_worker: float) -> bool:
+    """Whether a job's actors will hold GPUs, known before Ray starts: a joined cluster is taken to be GPU
+    workers (what extraction clusters are), a Ray of our own has them when this machine has CUDA."""
+    if joined_cluster(address):
+        return True
+    import torch
+
+    return num_gpus_per_worker > 0 and torch.cuda.is_available()
+
+
 def quiet_ray_loggers() -> None:
     """Keep the CLI's output to our own lines unless -v: Ray logs at INFO. Ray Data is left unimported (no
     job runs through it): importing it only to quiet it would add its modules to the driver's memory."""

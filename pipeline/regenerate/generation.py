@@ -58,8 +58,7 @@ class GenerateConfig:
         it here, for the device it runs on."""
         dtype = self.dtype
         if dtype == AUTO_DTYPE:
-            on_gpu = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-            dtype = resolve_target_dtype(dtype, on_gpu=on_gpu)
+            dtype = resolve_target_dtype(dtype, on_gpu=pick_device(self.device).type == "cuda")
         return TargetSpec(self.model_path, dtype, self.trust_remote_code)
 
 

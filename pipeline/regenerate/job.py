@@ -50,7 +50,7 @@ from pipeline.jobkit.record_stream import InputChangedError, InputScan, check_un
 from pipeline.store import atomic
 from pipeline.jobkit.rejects import count_reasons, format_reasons, sorted_rejects
 from pipeline.jobkit.target import load_tokenizer, target_fingerprint
-from pipeline.jobkit.ray_session import joined_cluster
+from pipeline.jobkit.ray_session import joined_cluster, workers_use_gpus
 from pipeline.regenerate.generation import GenerateConfig
 from pipeline.regenerate.prompts import scan_prompts, stream_prompts
 from pipeline.jobkit.vllm_process import check_vllm_options, engine_actor_pool, engine_identity
@@ -241,15 +241,13 @@ def resolve_dtype(config: RegenerateConfig) -> RegenerateConfig:
     """`--dtype auto` made a dtype before anything depends on it (the identity, the actors): bf16 where the
     actors run it natively (a local GPU, a joined cluster, which is taken to be GPUs, or this CPU's AMX or
     AVX512-BF16), else fp32. Said once in the log, and the identity records the dtype used."""
-    import torch  # loaded already with pipeline.regenerate.generation
-
     generate = config.generate
     if generate.dtype != AUTO_DTYPE:
         return config
     if generate.device is not None:
         on_gpu = generate.device.startswith("cuda")
     else:
-        on_gpu = joined_cluster(config.address) or (config.num_gpus_per_worker > 0 and torch.cuda.is_available())
+        on_gpu = workers_use_gpus(config.address, config.num_gpus_per_worker)
     dtype = resolve_target_dtype(generate.dtype, on_gpu=on_gpu)
     logger.info("regenerate: --dtype auto is %s here (%s)", dtype, "a GPU or native bf16" if dtype == "bfloat16"
                 else "a CPU without AMX or AVX512-BF16, where bf16 is emulated")
