@@ -146,6 +146,27 @@ def test_an_int8_zstd_store_holds_the_float32_store_s_states_rounded(ray_address
     assert layer_bytes(out) < 0.4 * layer_bytes(exact)
 
 
+def test_a_bf16_store_from_a_float32_target_holds_its_states_rounded_once(ray_address, workspace):
+    """--dtype float32 --store-dtype bfloat16, the fast extract on a CPU that emulates bf16: the float32
+    store's states each rounded to nearest bf16 (bit for bit what torch's cast gives), half the bytes; the
+    manifest says both dtypes, and the encoding is part of the identity."""
+    exact = workspace["root"] / "store"
+    if not (exact / "manifest.json").exists():
+        run_extract(_config(workspace, exact))
+    out = workspace["root"] / "store-bf16"
+    summary = run_extract(_config(workspace, out, store_dtype="bfloat16"))
+    assert summary.samples == 11 and verify_store(str(out)).ok
+    half, full = open_store(str(out)), open_store(str(exact))
+    assert half.manifest["dtype"] == "bfloat16" and half.manifest["target"]["dtype"] == "float32"
+    assert half.dataset_id != full.dataset_id
+    for i in range(len(full)):
+        want = full[i]["hidden_states"].to(torch.bfloat16)  # [1, L, d]
+        got = half[i]["hidden_states"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    layer_bytes = lambda root: sum(f.stat().st_size for f in root.glob("shards/*/hidden_states/layer_m1/c/*/*"))  # noqa: E731
+    assert layer_bytes(out) == layer_bytes(exact) // 2
+
+
 def test_a_head_lost_after_every_shard_committed_is_read_from_the_weight_files(ray_address, workspace, tmp_path,
                                                                                  monkeypatch):
     """The crash between the last shard and the head: the rerun writes the head from two tensors of the

@@ -75,6 +75,14 @@ def test_extract_refuses_a_lossless_store_dtype_other_than_the_models(tmp_path):
                                     str(tmp_path / "o"), "--store-dtype", "int8", "--compression", "zstd",
                                     "--dry-run", "--no-progress"])
     assert dry.exit_code == 0, dry.output
+    narrowed = CliRunner().invoke(main, ["extract", "--model", str(target), "--data", str(data), "--out",
+                                         str(tmp_path / "o"), "--dtype", "float32", "--store-dtype", "bfloat16",
+                                         "--dry-run", "--no-progress"])
+    assert narrowed.exit_code == 0, narrowed.output
+    from_half = CliRunner().invoke(main, ["extract", "--model", str(target), "--data", str(data), "--out",
+                                        str(tmp_path / "o"), "--dtype", "float16", "--store-dtype", "bfloat16",
+                                        "--dry-run", "--no-progress"])
+    assert from_half.exit_code == 2 and "--store-dtype bfloat16: with --dtype float16" in from_half.output
 
 
 def test_verify_finds_a_non_finite_scale_of_an_int8_store(tmp_path):

@@ -57,10 +57,12 @@ def _forms(value: str | None) -> tuple[str, ...] | None:
 @default_option(ExtractConfig, "max_length", "--max-length", type=click.IntRange(min=1),
                 help="Truncate samples at this many tokens.")
 @default_option(ExtractConfig, "dtype", "--dtype", type=click.Choice(sorted(DTYPES)), help="Model and stored dtype.")
-@click.option("--store-dtype", type=click.Choice(["float8_e4m3", "int8"]), default=None,
-              help="Store the states lossily in one byte a value (plus a float32 scale a token) instead of "
-                   "--dtype: int8 (symmetric, per-token absmax) or float8_e4m3. With --compression zstd an "
-                   "int8 store is ~0.3x a bf16 one; measured τ in docs/benchmarks.md. [--dtype]")
+@click.option("--store-dtype", type=click.Choice(["bfloat16", "float8_e4m3", "int8"]), default=None,
+              help="Store the states in another dtype than --dtype: int8 (symmetric, per-token absmax) or "
+                   "float8_e4m3, one byte a value plus a float32 scale a token (with --compression zstd an int8 "
+                   "store is ~0.3x a bf16 one; measured τ in docs/benchmarks.md); or bfloat16 from --dtype "
+                   "float32, for a CPU that emulates bf16 (no AMX or AVX512-BF16): float32's speed there, "
+                   "bf16's bytes. [--dtype]")
 @default_option(ExtractConfig, "compression", "--compression", type=click.Choice(sorted(COMPRESSIONS)),
                 help="zstd (level 1, zarr's own codec): smaller files (about 0.75x for bf16, 0.7x for int8 codes), "
                    "read through zarr instead of a memory map.")

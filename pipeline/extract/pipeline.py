@@ -64,7 +64,9 @@ class ExtractConfig:
     layers_for: tuple[str, ...] | None = None  # drafter forms the store must train (beagle/registry.py); None: all
     max_length: int = 2048
     dtype: str = "bfloat16"  # the target's dtype, and the stored one unless store_dtype says otherwise
-    store_dtype: str | None = None  # None: dtype; "float8_e4m3" or "int8": one byte a value plus a scale a token
+    # None: dtype; "float8_e4m3" or "int8": one byte a value plus a scale a token; "bfloat16" from a float32
+    # target: the states rounded once to bf16, for CPUs that emulate bf16 (fp32 forwards ~5x faster there)
+    store_dtype: str | None = None
     compression: str = "none"  # "zstd": smaller files, read through zarr instead of a memory map
     batch_tokens: int | None = None  # None: per device kind, see default_batch_tokens
     num_workers: int | None = None  # None: one per GPU (per num_gpus_per_worker GPUs), or one CPU actor
@@ -122,10 +124,7 @@ def prepare(config: ExtractConfig) -> Prepared:
         config.encoding
     except StoreFormatError as error:
         raise ValueError(f"--store-dtype / --compression: {error}") from None
-    if config.store_dtype is not None and config.store_dtype not in LOSSY_DTYPES and config.store_dtype != config.dtype:
-        raise ValueError(f"--store-dtype {config.store_dtype}: a lossless store keeps the target's own --dtype "
-                         f"({config.dtype}); give --dtype {config.store_dtype}, or a lossy --store-dtype "
-                         f"({', '.join(sorted(LOSSY_DTYPES))})")
+    check_store_dtype(config.dtype, config.store_dtype)
     if config.num_gpus_per_worker <= 0:
         raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: must be > 0")
     if config.device_map not in (None, "auto"):
@@ -150,6 +149,19 @@ def prepare(config: ExtractConfig) -> Prepared:
     return Prepared(config, tokenizer, layers, facts.hidden_size, facts.vocab_size, scan)
 
 
+def check_store_dtype(dtype: str, store_dtype: str | None) -> None:
+    """A store keeps the target's own dtype, a lossy one-byte code, or bf16 rounded from a float32 target
+    (bf16's exponent range is float32's, so nothing finite overflows; the manifest's `target.dtype` says the
+    states were computed in float32). Anything else is refused in one line naming what would work."""
+    if store_dtype is None or store_dtype in LOSSY_DTYPES or store_dtype == dtype:
+        return
+    if store_dtype == "bfloat16" and dtype == "float32":
+        return
+    raise ValueError(f"--store-dtype {store_dtype}: with --dtype {dtype} a store keeps {dtype}, bfloat16 from "
+                     f"--dtype float32, or a lossy code ({', '.join(sorted(LOSSY_DTYPES))}); "
+                     f"give --dtype {store_dtype} or one of those")
+
+
 def _warn_if_bf16_is_emulated(config: ExtractConfig) -> None:
     """Once, where the target would forward in bf16 on a CPU that emulates it (AVX2 only, no AMX or
     AVX512-BF16): fp32 runs it several times faster there. The default stays bf16, the dtype stores are
@@ -160,8 +172,8 @@ def _warn_if_bf16_is_emulated(config: ExtractConfig) -> None:
 
     if bf16_is_emulated(on_gpu=workers_use_gpus(config.address, config.num_gpus_per_worker)):
         logger.warning("--dtype bfloat16 on this CPU (no AMX or AVX512-BF16) is emulated: the target forwards "
-                       "~5x slower than in float32 (docs/extract.md); pass --dtype float32 for speed "
-                       "(the store then holds float32 states, twice the bytes)")
+                       "~5x slower than in float32 (docs/extract.md); pass --dtype float32 --store-dtype "
+                       "bfloat16 for speed at the same store size")
 
 
 def _check_engine(config: ExtractConfig, max_positions: int | None) -> None:
@@ -215,12 +227,12 @@ def identity(prepared: Prepared, target: dict, engine: dict[str, Any] | None = N
 
 def estimate_store_bytes(prepared: Prepared, tokens: int) -> tuple[int, int]:
     """(total, head): tokens x (layers x d x dtype size + 5 for ids and mask), plus the [V, d] head twice."""
-    element = torch_dtype(prepared.config.dtype).itemsize
-    head = 2 * prepared.vocab_size * prepared.hidden_size * element
+    head = 2 * prepared.vocab_size * prepared.hidden_size * torch_dtype(prepared.config.dtype).itemsize
     encoding = prepared.config.encoding
     # A lossy store keeps one byte a value and a float32 scale a token; zstd is not estimated (it depends on
     # the states: about 0.75 of bf16, 0.6-0.7 of int8 codes on the demo target).
-    per_layer = prepared.hidden_size + 4 if encoding.dtype in LOSSY_DTYPES else prepared.hidden_size * element
+    per_layer = (prepared.hidden_size + 4 if encoding.dtype in LOSSY_DTYPES
+                 else prepared.hidden_size * torch_dtype(encoding.dtype).itemsize)
     return tokens * (len(prepared.layers) * per_layer + 5) + head, head
 
 

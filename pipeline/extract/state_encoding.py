@@ -61,6 +61,10 @@ def storage_sample(sample: Mapping[str, Any], dtype: str) -> dict[str, Any]:
         return converted
     if isinstance(states, torch.Tensor) and states.dtype == torch.bfloat16 and dtype != "bfloat16":
         raise StoreFormatError(f"got bfloat16 hidden states for a {dtype} store")
+    if dtype == "bfloat16" and not (isinstance(states, torch.Tensor) and states.dtype == torch.bfloat16):
+        # A float32 target's states for a bf16 store (extract --dtype float32 --store-dtype bfloat16):
+        # rounded to nearest even once, here, as torch rounds a bf16 forward's outputs.
+        states = torch.as_tensor(states).to(torch.bfloat16)
     converted["hidden_states"] = to_numpy(states)
     return converted
 
