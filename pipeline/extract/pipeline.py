@@ -124,7 +124,7 @@ def prepare(config: ExtractConfig) -> Prepared:
         config.encoding
     except StoreFormatError as error:
         raise ValueError(f"--store-dtype / --compression: {error}") from None
-    check_store_dtype(config.dtype, config.store_dtype)
+    _check_store_dtype(config.dtype, config.store_dtype)
     if config.num_gpus_per_worker <= 0:
         raise ValueError(f"--num-gpus-per-worker {config.num_gpus_per_worker}: must be > 0")
     if config.device_map not in (None, "auto"):
@@ -149,17 +149,18 @@ def prepare(config: ExtractConfig) -> Prepared:
     return Prepared(config, tokenizer, layers, facts.hidden_size, facts.vocab_size, scan)
 
 
-def check_store_dtype(dtype: str, store_dtype: str | None) -> None:
+def _check_store_dtype(dtype: str, store_dtype: str | None) -> None:
     """A store keeps the target's own dtype, a lossy one-byte code, or bf16 rounded from a float32 target
     (bf16's exponent range is float32's, so nothing finite overflows; the manifest's `target.dtype` says the
-    states were computed in float32). Anything else is refused in one line naming what would work."""
+    states were computed in float32). Anything else is a setting, refused in one line (exit 2) naming what
+    would work."""
     if store_dtype is None or store_dtype in LOSSY_DTYPES or store_dtype == dtype:
         return
     if store_dtype == "bfloat16" and dtype == "float32":
         return
-    raise ValueError(f"--store-dtype {store_dtype}: with --dtype {dtype} a store keeps {dtype}, bfloat16 from "
-                     f"--dtype float32, or a lossy code ({', '.join(sorted(LOSSY_DTYPES))}); "
-                     f"give --dtype {store_dtype} or one of those")
+    raise SettingsError(f"--store-dtype {store_dtype}: with --dtype {dtype} a store keeps {dtype}, bfloat16 from "
+                        f"--dtype float32, or a lossy code ({', '.join(sorted(LOSSY_DTYPES))}); "
+                        f"give --dtype {store_dtype} or one of those")
 
 
 def _warn_if_bf16_is_emulated(config: ExtractConfig) -> None:
