@@ -50,6 +50,13 @@ def to_numpy(values: Any) -> np.ndarray:
     return np.asarray(values)
 
 
+def _is_wide_float(states: Any) -> bool:
+    """Whether `states` are float16/32/64 values (torch or numpy) that a bf16 store must round first."""
+    if isinstance(states, torch.Tensor):
+        return states.is_floating_point() and states.dtype != torch.bfloat16
+    return isinstance(states, np.ndarray) and states.dtype in (np.float16, np.float32, np.float64)
+
+
 def storage_sample(sample: Mapping[str, Any], dtype: str) -> dict[str, Any]:
     """One sample ({sample_id, input_ids [L], loss_mask [L], hidden_states [n_layers, L, d]}) in the
     storage form `pipeline.store.write_shard` takes for a `dtype` store."""
@@ -61,9 +68,10 @@ def storage_sample(sample: Mapping[str, Any], dtype: str) -> dict[str, Any]:
         return converted
     if isinstance(states, torch.Tensor) and states.dtype == torch.bfloat16 and dtype != "bfloat16":
         raise StoreFormatError(f"got bfloat16 hidden states for a {dtype} store")
-    if dtype == "bfloat16" and not (isinstance(states, torch.Tensor) and states.dtype == torch.bfloat16):
+    if dtype == "bfloat16" and _is_wide_float(states):
         # A float32 target's states for a bf16 store (extract --dtype float32 --store-dtype bfloat16):
-        # rounded to nearest even once, here, as torch rounds a bf16 forward's outputs.
+        # rounded to nearest even once, here, as torch rounds a bf16 forward's outputs. States already in
+        # bf16 (a torch bf16 tensor, an ml_dtypes bfloat16 array or its uint16 bit pattern) pass unchanged.
         states = torch.as_tensor(states).to(torch.bfloat16)
     converted["hidden_states"] = to_numpy(states)
     return converted
