@@ -82,17 +82,43 @@ def tree_rss_mib(pid: int) -> float:
     return rss / 2**20
 
 
+def tree_anon_mib(pid: int) -> float:
+    """Anonymous resident memory (`RssAnon` of /proc/PID/status: heap, tensors, stacks) of process `pid` and
+    its descendants, in MiB; 0 where /proc has no such field (not Linux) or the process has ended.
+
+    Why beside `tree_rss_mib`: the resident set also counts the pages of memory-mapped files a process has
+    touched (our trainer maps the feature store), which are clean page cache the kernel drops under pressure;
+    two trainers that read their data differently compare fairly on what they allocate, their anonymous memory."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    kib = 0
+    for process in processes:
+        try:
+            with open(f"/proc/{process.pid}/status", encoding="ascii") as status:
+                kib += next((int(line.split()[1]) for line in status if line.startswith("RssAnon:")), 0)
+        except OSError:
+            pass
+    return kib / 1024
+
+
 class PeakRss:
     """The peak resident set of a running process tree (its children included), sampled on a thread every
-    `interval` seconds from `with PeakRss(process)` until the process exits; read `.mib` after the block."""
+    `interval` seconds from `with PeakRss(process)` until the process exits; read `.mib` (resident set) and
+    `.anon_mib` (its anonymous part, `tree_anon_mib`) after the block."""
 
     def __init__(self, process: subprocess.Popen, interval: float = 0.5) -> None:
-        self.process, self.interval, self.mib = process, interval, 0.0
+        self.process, self.interval, self.mib, self.anon_mib = process, interval, 0.0, 0.0
         self._sampler = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         while self.process.poll() is None:
             self.mib = max(self.mib, tree_rss_mib(self.process.pid))
+            self.anon_mib = max(self.anon_mib, tree_anon_mib(self.process.pid))
             time.sleep(self.interval)
 
     def __enter__(self) -> "PeakRss":

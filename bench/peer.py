@@ -91,7 +91,7 @@ def measured_run(cmd: list[str], log_path: Path, *, env: dict | None = None, int
             rc = process.wait()
     seconds = time.perf_counter() - started
     result = {"command": shlex.join(cmd), "seconds": seconds, "returncode": rc, "peak_rss_mib": peak.mib,
-              "log": str(log_path)}
+              "peak_anon_mib": peak.anon_mib, "log": str(log_path)}
     if rc != 0:
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
         raise RuntimeError(f"{shlex.join(cmd)} failed with exit code {rc} (log {log_path}):\n{tail}")
@@ -305,7 +305,8 @@ def main(argv=None) -> int:
     def step(name: str, cmd: list[str], env: dict) -> dict:
         print(f"[{name}] {shlex.join(cmd)}", flush=True)
         report["steps"][name] = result = measured_run(cmd, out / "logs" / f"{name}.log", env=env)
-        print(f"  {result['seconds']:.0f}s, peak {result['peak_rss_mib']:.0f} MiB", flush=True)
+        print(f"  {result['seconds']:.0f}s, peak {result['peak_rss_mib']:.0f} MiB "
+              f"({result['peak_anon_mib']:.0f} MiB anonymous)", flush=True)
         save()
         return result
 
@@ -397,6 +398,8 @@ def main(argv=None) -> int:
     ours_train, theirs_train = report["steps"]["ours-train"], report["steps"]["theirs-train"]
     report["train_wall_ratio"] = ours_train["seconds"] / theirs_train["seconds"]
     report["train_peak_memory_ratio"] = ours_train["peak_rss_mib"] / theirs_train["peak_rss_mib"]
+    if ours_train.get("peak_anon_mib") and theirs_train.get("peak_anon_mib"):  # runs before 2026-12-08 lack it
+        report["train_peak_anon_memory_ratio"] = ours_train["peak_anon_mib"] / theirs_train["peak_anon_mib"]
     save()
 
     if report["ours_steps"] != size.steps or ours_flags:
@@ -407,6 +410,10 @@ def main(argv=None) -> int:
     print(f"training  ours {ours_train['seconds']:.0f}s / {ours_train['peak_rss_mib']:.0f} MiB, "
           f"speculators {theirs_train['seconds']:.0f}s / {theirs_train['peak_rss_mib']:.0f} MiB: "
           f"wall {report['train_wall_ratio']:.2f}x, memory {report['train_peak_memory_ratio']:.2f}x")
+    if "train_peak_anon_memory_ratio" in report:
+        print(f"          anonymous memory (the resident set less mapped files' pages): ours "
+              f"{ours_train['peak_anon_mib']:.0f} MiB, speculators {theirs_train['peak_anon_mib']:.0f} MiB: "
+              f"{report['train_peak_anon_memory_ratio']:.2f}x")
     print(f"{'k':>2}  {'ours τ':>7} {'speedup':>7} {'same':>6}   {'spec. τ':>7} {'speedup':>7} {'same':>6}   P15")
     for k, row in rows.items():
         o, t = row["ours"], row["theirs"]

@@ -171,3 +171,25 @@ def test_the_extraction_ceiling_runs_the_real_path_with_a_random_state_forward(t
     for r in results:
         assert r["tokens"] >= 3000 and r["actors"] == 1 and r["actor_tokens_per_s"] > 0 and r["raw_gb_per_s"] > 0
         assert r["state_gb"] == pytest.approx(r["tokens"] * r["layers"] * 64 * 2 / 1e9)
+
+
+def test_peak_memory_tells_allocated_memory_from_a_mapped_files_pages(tmp_path):
+    """A child that allocates ~160 MiB and reads every page of a mapped 96 MiB file: the resident set counts
+    both, its anonymous part only the allocation (what the peer run compares two trainers on)."""
+    import subprocess
+    import sys
+
+    from bench.common import PeakRss
+
+    data = tmp_path / "mapped.bin"
+    data.write_bytes(b"\x01" * (96 * 2**20))
+    child = ("import mmap, sys, time\n"
+             "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+             "touched = sum(m[i] for i in range(0, len(m), 4096))\n"
+             "allocated = b'\\x02' * (160 * 2**20)\n"
+             "time.sleep(2)\n")
+    process = subprocess.Popen([sys.executable, "-c", child, str(data)])
+    with PeakRss(process, interval=0.1) as peak:
+        assert process.wait(timeout=60) == 0
+    assert 150 <= peak.anon_mib <= 260, peak.anon_mib
+    assert peak.mib - peak.anon_mib >= 80, (peak.mib, peak.anon_mib)
