@@ -63,18 +63,24 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
+def _process_tree(pid: int) -> list:
+    """psutil processes of `pid` and all its descendants; empty once it has ended."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
 def tree_rss_mib(pid: int) -> float:
     """Resident set of process `pid` and all its descendants, in MiB (0 once it has ended): what a benchmark's
     peak memory of a command means, dataloader workers and engine processes included."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
     rss = 0
-    for process in processes:
+    for process in _process_tree(pid):
         try:
             rss += process.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -89,15 +95,8 @@ def tree_anon_mib(pid: int) -> float:
     Why beside `tree_rss_mib`: the resident set also counts the pages of memory-mapped files a process has
     touched (our trainer maps the feature store), which are clean page cache the kernel drops under pressure;
     two trainers that read their data differently compare fairly on what they allocate, their anonymous memory."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
     kib = 0
-    for process in processes:
+    for process in _process_tree(pid):
         try:
             with open(f"/proc/{process.pid}/status", encoding="ascii") as status:
                 kib += next((int(line.split()[1]) for line in status if line.startswith("RssAnon:")), 0)
