@@ -63,52 +63,37 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
 
-def _process_tree(pid: int) -> list:
-    """psutil processes of `pid` and all its descendants; empty once it has ended."""
+def tree_memory_mib(pid: int) -> tuple[float, float]:
+    """(resident set, its anonymous part) of process `pid` and all its descendants, in MiB ((0, 0) once it has
+    ended): what a benchmark's peak memory of a command means, dataloader workers and engine processes included.
+
+    Why the anonymous part (heap, tensors, stacks: the resident set less the pages of files and shared memory,
+    psutil's `rss - shared` from /proc/PID/statm; 0 where psutil has no `shared`, off Linux): the resident set
+    also counts the pages of memory-mapped files a process has touched (our trainer maps the feature store),
+    clean page cache the kernel drops under pressure; two trainers that read their data differently compare
+    fairly on what they allocate."""
     import psutil
 
     try:
         root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
+        processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return []
-
-
-def tree_rss_mib(pid: int) -> float:
-    """Resident set of process `pid` and all its descendants, in MiB (0 once it has ended): what a benchmark's
-    peak memory of a command means, dataloader workers and engine processes included."""
-    import psutil
-
-    rss = 0
-    for process in _process_tree(pid):
+        return 0.0, 0.0
+    rss = anon = 0
+    for process in processes:
         try:
-            rss += process.memory_info().rss
+            info = process.memory_info()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return rss / 2**20
-
-
-def tree_anon_mib(pid: int) -> float:
-    """Anonymous resident memory (`RssAnon` of /proc/PID/status: heap, tensors, stacks) of process `pid` and
-    its descendants, in MiB; 0 where /proc has no such field (not Linux) or the process has ended.
-
-    Why beside `tree_rss_mib`: the resident set also counts the pages of memory-mapped files a process has
-    touched (our trainer maps the feature store), which are clean page cache the kernel drops under pressure;
-    two trainers that read their data differently compare fairly on what they allocate, their anonymous memory."""
-    kib = 0
-    for process in _process_tree(pid):
-        try:
-            with open(f"/proc/{process.pid}/status", encoding="ascii") as status:
-                kib += next((int(line.split()[1]) for line in status if line.startswith("RssAnon:")), 0)
-        except OSError:
-            pass
-    return kib / 1024
+            continue
+        rss += info.rss
+        anon += info.rss - info.shared if hasattr(info, "shared") else 0
+    return rss / 2**20, anon / 2**20
 
 
 class PeakRss:
     """The peak resident set of a running process tree (its children included), sampled on a thread every
     `interval` seconds from `with PeakRss(process)` until the process exits; read `.mib` (resident set) and
-    `.anon_mib` (its anonymous part, `tree_anon_mib`) after the block."""
+    `.anon_mib` (its anonymous part, `tree_memory_mib`) after the block."""
 
     def __init__(self, process: subprocess.Popen, interval: float = 0.5) -> None:
         self.process, self.interval, self.mib, self.anon_mib = process, interval, 0.0, 0.0
@@ -116,8 +101,8 @@ class PeakRss:
 
     def _sample(self) -> None:
         while self.process.poll() is None:
-            self.mib = max(self.mib, tree_rss_mib(self.process.pid))
-            self.anon_mib = max(self.anon_mib, tree_anon_mib(self.process.pid))
+            rss, anon = tree_memory_mib(self.process.pid)
+            self.mib, self.anon_mib = max(self.mib, rss), max(self.anon_mib, anon)
             time.sleep(self.interval)
 
     def __enter__(self) -> "PeakRss":
